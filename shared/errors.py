@@ -1,0 +1,62 @@
+"""Exception types shared by every specring process.
+
+The name of each exception says whether the caller may retry:
+
+* ``ConfigError`` (a ``ValueError``): bad configuration or flag; fix the input, do not retry.
+* ``MessageError`` (a ``ValueError``): a control message that cannot be decoded or is not of a known
+  kind/version; the receiver logs it and carries on, it never kills a loop.
+* ``PayloadTooLarge`` (a ``ValueError``): tensors that do not fit in a slot; raise the slot size.
+* ``ShmSpaceError`` (an ``OSError``): ``/dev/shm`` has less free space than the rings need.
+* ``SlotError``: a slot header that does not match the control message that names it (stale
+  generation, wrong batch id, unpublished slot).
+* ``ProducerDied`` / ``ConsumerDied``: a child process exited; the supervisor decides on restart.
+* ``SlotTimeout`` / ``PeerTimeout``: a blocking wait ran past its deadline; the message names the
+  duration and the peer.
+* ``BadBatch``: a batch whose data cannot be trained on (non-finite hidden states, bad token ids).
+"""
+
+from __future__ import annotations
+
+
+class SpecringError(Exception):
+    """Base class of every specring-specific error."""
+
+
+class ConfigError(SpecringError, ValueError):
+    """Invalid configuration; the message names the field or flag."""
+
+
+class MessageError(SpecringError, ValueError):
+    """A control message that is malformed, of an unknown kind, or of an unknown schema version."""
+
+
+class PayloadTooLarge(SpecringError, ValueError):
+    """The tensors to write do not fit in a slot; the message gives both sizes in bytes."""
+
+
+class ShmSpaceError(SpecringError, OSError):
+    """Not enough free space in /dev/shm for the requested segments."""
+
+
+class SlotError(SpecringError):
+    """A slot's header disagrees with the message that names it."""
+
+
+class ProducerDied(SpecringError):
+    """A producer process exited; retry after restart."""
+
+
+class ConsumerDied(SpecringError):
+    """A consumer process exited; the run stops with a checkpoint and can be resumed."""
+
+
+class SlotTimeout(SpecringError, TimeoutError):
+    """Waiting for a slot ran past its deadline."""
+
+
+class PeerTimeout(SpecringError, TimeoutError):
+    """Waiting for a peer's message ran past its deadline."""
+
+
+class BadBatch(SpecringError):
+    """A batch's data must not be trained on (non-finite values, out-of-range ids)."""
