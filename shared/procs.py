@@ -1,0 +1,239 @@
+"""Process plumbing: spawning children, the one template for every child's main, and shutdown.
+
+Children are started with ``subprocess.Popen([python, -m, module, ...], start_new_session=True)``: a fresh
+interpreter (no fork of a process that holds CUDA or ZeroMQ state) in a process group of its own, so the
+supervisor can kill a child together with anything it started. On Linux each child asks for SIGKILL when
+its parent dies (``PR_SET_PDEATHSIG``) and also watches ``getppid()`` as a fallback, so no child outlives a
+supervisor that was killed with SIGKILL.
+
+``child_main`` is the template of STYLE.md §8: process title, signal handlers that only set a flag, the
+body inside try/finally, a fatal error reported to the coordinator before exiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import zmq
+
+from shared import channel, messages
+from shared.config import RunConfig
+
+log = logging.getLogger(__name__)
+
+PR_SET_NAME = 15
+PR_SET_PDEATHSIG = 1
+EXIT_OK, EXIT_ERROR, EXIT_CONFIG = 0, 1, 2
+
+
+def _prctl(option: int, arg: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+
+def set_process_title(title: str) -> None:
+    """Set the process name shown by ``ps -o comm``/``top`` (Linux: first 15 bytes)."""
+    if sys.platform.startswith("linux"):
+        buf = ctypes.create_string_buffer(title.encode()[:15])
+        try:
+            ctypes.CDLL(None).prctl(PR_SET_NAME, buf, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``sig`` to this process when its parent exits (Linux only)."""
+    _prctl(PR_SET_PDEATHSIG, int(sig))
+
+
+def configure_logging(prefix: str, level: int = logging.INFO) -> None:
+    """Log lines as ``<time> <prefix> <level> <logger>: <message>`` to stderr (called once per process)."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s",
+                                           datefmt="%H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(level)
+
+
+@dataclass
+class Topology:
+    """What every child needs to find the others: written by the supervisor to ``run_dir/topology.json``."""
+    run_id: str
+    address: str
+    rings: list[str]
+    slot_bytes: int
+    num_slots: int
+    supervisor_pid: int
+
+    def save(self, run_dir: str | Path) -> None:
+        p = Path(run_dir) / "topology.json"
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.__dict__, indent=1))
+        os.replace(tmp, p)
+
+    @classmethod
+    def load(cls, run_dir: str | Path) -> "Topology":
+        return cls(**json.loads((Path(run_dir) / "topology.json").read_text()))
+
+
+@dataclass
+class ChildContext:
+    """Handed to a child's body: its identity, configuration, socket, and the stop flag."""
+    role: str
+    index: int
+    generation: int
+    run_dir: str
+    config: RunConfig
+    topology: Topology
+    sock: zmq.Socket
+    stop_reason: str = ""
+    parent_pid: int = field(default_factory=os.getppid)
+
+    @property
+    def stopping(self) -> bool:
+        """True once SIGTERM/SIGINT arrived, a Shutdown was received, or the parent is gone."""
+        if not self.stop_reason and os.getppid() != self.parent_pid:
+            self.stop_reason = "parent exited"
+        return bool(self.stop_reason)
+
+    def send(self, msg) -> None:
+        channel.send(self.sock, msg)
+
+
+def child_argv(module: str, run_dir: str, index: int, generation: int) -> list[str]:
+    """Command line that starts a child: ``python -m <module> --run-dir R --index I --generation G``."""
+    return [sys.executable, "-m", module, "--run-dir", str(run_dir), "--index", str(index),
+            "--generation", str(generation)]
+
+
+def spawn_child(module: str, run_dir: str, index: int, generation: int, log_path: str | Path,
+                env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a child process in its own process group, its stdout/stderr appended to ``log_path``."""
+    repo_root = str(Path(__file__).resolve().parent.parent)
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = repo_root + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    if env:
+        full_env.update(env)
+    with open(log_path, "ab") as logf:
+        return subprocess.Popen(child_argv(module, run_dir, index, generation), stdin=subprocess.DEVNULL,
+                                stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                                cwd=repo_root, env=full_env)
+
+
+def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to ``proc``'s whole process group (ignoring a group that is already gone)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def terminate(proc: subprocess.Popen, timeout_s: float) -> int:
+    """SIGTERM the child's group, wait up to ``timeout_s``, then SIGKILL and reap; returns the exit code."""
+    if proc.poll() is None:
+        kill_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("kill pid=%d reason=terminate_timeout timeout_s=%.1f", proc.pid, timeout_s)
+    if proc.poll() is None:
+        kill_group(proc, signal.SIGKILL)
+        proc.wait()
+    else:
+        kill_group(proc, signal.SIGKILL)  # stragglers of its group
+    return proc.returncode
+
+
+def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
+               argv: list[str] | None = None) -> int:
+    """The template every child's ``main`` follows; returns the exit code.
+
+    Parses ``--run-dir/--index/--generation``, sets the title and parent-death signal, installs
+    SIGTERM/SIGINT handlers that only set the stop flag, connects the DEALER socket, runs ``body(ctx)``
+    inside try/finally, and on an exception sends a fatal ``Error`` to the coordinator before exiting 1.
+    """
+    ap = argparse.ArgumentParser(description=module_doc)
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--index", type=int, required=True)
+    ap.add_argument("--generation", type=int, default=1)
+    args = ap.parse_args(argv)
+    name = f"{role}-{args.index}"
+    set_parent_death_signal(signal.SIGKILL)
+    set_process_title(f"sr-{role[:4]}{args.index}")
+    configure_logging(f"{name}/g{args.generation}")
+    config = RunConfig.from_dict(json.loads((Path(args.run_dir) / "config.json").read_text()))
+    topology = Topology.load(args.run_dir)
+    if os.getppid() != topology.supervisor_pid:
+        log.error("exit reason=parent_gone supervisor_pid=%d", topology.supervisor_pid)
+        return EXIT_ERROR
+    zctx = zmq.Context()
+    sock = channel.connect_dealer(zctx, topology.address, name)
+    ctx = ChildContext(role=role, index=args.index, generation=args.generation, run_dir=args.run_dir,
+                       config=config, topology=topology, sock=sock)
+
+    def on_signal(signum, _frame):
+        ctx.stop_reason = signal.Signals(signum).name
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    code = EXIT_OK
+    try:
+        ctx.send(messages.Hello(role=role, index=args.index, generation=args.generation, pid=os.getpid()))
+        body(ctx)
+        log.info("exit reason=%s", ctx.stop_reason or "done")
+    except BaseException as e:  # report everything, SystemExit included, then exit non-zero
+        code = EXIT_ERROR
+        text = f"{type(e).__name__}: {e}"
+        log.error("fatal %s\n%s", text, traceback.format_exc())
+        try:
+            ctx.send(messages.Error(role=role, index=args.index, generation=args.generation,
+                                    message=text[:4000], fatal=True))
+        except Exception:
+            pass
+    finally:
+        sock.close(linger=channel.LINGER_MS)
+        zctx.term()
+    return code
+
+
+def wait_any(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    """Sleep until any of ``procs`` exits or ``timeout_s`` passes (waits on pidfds where available)."""
+    deadline = time.monotonic() + timeout_s
+    fds = []
+    if hasattr(os, "pidfd_open"):
+        import select
+        for p in procs:
+            try:
+                fds.append(os.pidfd_open(p.pid))
+            except OSError:
+                return  # already gone: let the caller look
+        try:
+            select.select(fds, [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        return
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        time.sleep(0.05)
