@@ -147,7 +147,10 @@ class Ring:
         self.creator_pid = pid
         self.creator_start_time = start
         self.run_id = run_id.rstrip(b"\0").decode()
-        self._buf = torch.frombuffer(mm, dtype=torch.uint8)
+        # Through a memoryview: it holds a buffer export on the mmap for as long as any tensor view lives,
+        # so close() cannot unmap memory that a view still points at (torch.frombuffer(mm) alone only
+        # keeps a reference, and mmap.close() would unmap under it: a later access is a SIGSEGV).
+        self._buf = torch.frombuffer(memoryview(mm), dtype=torch.uint8)
         self.pinned = False
         self._closed = False
 
