@@ -234,7 +234,7 @@ def decode(data: bytes) -> Any:
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise MessageError(f"unknown message kind {kind!r}")
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:  # True == 1.0 == 1 must not pass
         raise MessageError(f"{kind} message has schema version {version!r}; this build speaks {SCHEMA_VERSION}")
     types = _field_types(cls)
     unknown = set(body) - set(types)
