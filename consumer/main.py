@@ -1,0 +1,180 @@
+"""The consumer process: ``python -m consumer.main --run-dir R --index I --generation G``.
+
+Receives ``SlotReady`` (routed by the coordinator), copies the slot's tensors to its device, releases the
+slot, and trains the DFlash drafter (``consumer.trainer.Trainer``). Consumer ``I`` is rank ``I`` of a
+``torch.distributed`` group (gloo on CPU, NCCL on GPU) of all consumers.
+
+Slot safety (DESIGN.md, "The slot protocol"): the slot header is checked against the message (batch id,
+generation, CRC when enabled) before anything is read; the host-to-device copy runs on a copy stream and
+``SlotReleased`` is sent only after the event recorded after it has completed; on CPU the tensors are
+cloned. The training step only ever sees tensors that own their memory: nothing handed to the trainer
+aliases a slot.
+
+A slot that fails verification is answered with ``BadBatch`` (the coordinator re-produces the batch once);
+``Shutdown`` makes rank 0 write a final checkpoint (all ranks have finished the same steps by then).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+
+import torch
+
+from shared import messages as m
+from shared.errors import MessageError, SlotError
+from shared.layout import read_tensors
+from shared.procs import ChildContext, child_main
+from shared.ring import Ring
+from shared import channel
+
+log = logging.getLogger("consumer")
+
+
+class SlotReader:
+    """Copies a published slot into tensors of its own on ``device`` (see module docstring)."""
+
+    def __init__(self, rings: list[Ring], device: torch.device):
+        self.rings = rings
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy_in(self, msg: m.SlotReady) -> dict[str, torch.Tensor]:
+        """Verified copy of the slot ``msg`` names; raises ``SlotError``/``MessageError`` naming the problem.
+
+        Returns ``{name: tensor on device}``; when it returns, the slot may be released.
+        """
+        if not 0 <= msg.producer < len(self.rings):
+            raise SlotError(f"SlotReady names producer {msg.producer}; there are {len(self.rings)} rings")
+        ring = self.rings[msg.producer]
+        h = ring.verify(msg.slot, msg.batch_id, msg.generation, check_crc=True)
+        if h.payload_len != msg.payload_bytes:
+            raise SlotError(f"slot {msg.slot} of producer {msg.producer}: header payload {h.payload_len} B, "
+                            f"message {msg.payload_bytes} B")
+        views = read_tensors(ring.payload(msg.slot), msg.descriptor)
+        if self.stream is None:
+            return {k: v.clone() for k, v in views.items()}
+        with torch.cuda.stream(self.stream):
+            out = {k: v.to(self.device, non_blocking=True) for k, v in views.items()}
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        done.synchronize()  # the copy has landed: the slot may be released, the views dropped
+        main = torch.cuda.current_stream(self.device)
+        for t in out.values():
+            t.record_stream(main)
+        return out
+
+
+def _init_distributed(ctx: ChildContext, device: torch.device):
+    world = len(ctx.config.trainer.devices)
+    if world == 1:
+        return 0, 1, None
+    import torch.distributed as dist
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, rank=ctx.index, world_size=world,
+                            timeout=timedelta(seconds=max(60.0, ctx.config.monitor.hang_timeout_s)))
+    log.info("distributed backend=%s rank=%d world_size=%d", backend, ctx.index, world)
+    return ctx.index, world, dist.group.WORLD
+
+
+def body(ctx: ChildContext) -> None:
+    from consumer.checkpoint import latest_checkpoint
+    from consumer.dflash import DFlashConfig
+    from consumer.trainer import Trainer
+
+    cfg = ctx.config
+    device = torch.device(cfg.trainer.devices[ctx.index])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, len(cfg.trainer.devices) + len(cfg.producer.devices))))
+    rings = [Ring.attach(name) for name in ctx.topology.rings]
+    try:
+        if device.type == "cuda":
+            for r in rings:
+                r.pin()
+        rank, world, group = _init_distributed(ctx, device)
+        dcfg = DFlashConfig.from_target(cfg.producer.target, cfg.producer.target_layer_ids, cfg.trainer.block_size,
+                                        mask_token_id=cfg.trainer.mask_token_id,
+                                        num_draft_layers=cfg.trainer.num_draft_layers)
+        trainer = Trainer(cfg.trainer, dcfg, cfg.producer.target, device, ctx.run_dir, rank=rank,
+                          world_size=world, process_group=group)
+        if cfg.resume:
+            path = latest_checkpoint(ctx.run_dir)
+            if path is not None:
+                trainer.load_checkpoint(path)
+                log.info("resume checkpoint=%s step=%d", path, trainer.step_count)
+        _loop(ctx, trainer, SlotReader(rings, device), rank)
+    finally:
+        for r in rings:
+            r.close()
+        if len(cfg.trainer.devices) > 1:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int) -> None:
+    cfg = ctx.config
+    hb_every = cfg.monitor.heartbeat_interval_s
+    next_hb = 0.0
+    tokens, t0 = 0, time.monotonic()
+    last_ckpt_step = trainer.step_count
+
+    def checkpoint() -> None:
+        nonlocal last_ckpt_step
+        path = trainer.save_checkpoint()
+        last_ckpt_step = trainer.step_count
+        if rank == 0:
+            ctx.send(m.Checkpointed(step=trainer.step_count, path=str(path)))
+
+    while not ctx.stopping:
+        now = time.monotonic()
+        if now >= next_hb:
+            next_hb = now + hb_every
+            stats = {"tokens_per_s": tokens / max(1e-9, now - t0), "step": trainer.step_count}
+            if reader.device.type == "cuda":
+                stats["gpu_mem_bytes"] = torch.cuda.memory_allocated(reader.device)
+            ctx.send(m.Heartbeat(role="consumer", index=ctx.index, generation=ctx.generation, pid=os.getpid(),
+                                 stats=stats))
+        msg = channel.recv(ctx.sock, timeout_s=min(0.2, hb_every))
+        if msg is None:
+            continue
+        if isinstance(msg, MessageError):
+            log.warning("reject frame error=%s", msg)
+            continue
+        if isinstance(msg, m.Shutdown):
+            log.info("shutdown reason=%s", msg.reason)
+            if trainer.step_count > last_ckpt_step and (msg.reason == "done" or len(cfg.trainer.devices) == 1):
+                checkpoint()
+            return
+        if not isinstance(msg, m.SlotReady):
+            log.warning("reject kind=%s reason=unexpected_for_consumer", msg.KIND)
+            continue
+        try:
+            batch = reader.copy_in(msg)
+        except (SlotError, MessageError) as e:
+            log.error("bad_slot producer=%d slot=%d batch=%d error=%s", msg.producer, msg.slot, msg.batch_id, e)
+            ctx.send(m.BadBatch(producer=msg.producer, generation=msg.generation, slot=msg.slot,
+                                batch_id=msg.batch_id, reason=str(e)[:500]))
+            continue
+        ctx.send(m.SlotReleased(producer=msg.producer, generation=msg.generation, slot=msg.slot,
+                                batch_id=msg.batch_id))
+        result = trainer.step(batch, [msg.batch_id])
+        del batch
+        tokens += int(msg.num_tokens)
+        if result.get("optimizer_step", True):
+            ctx.send(m.Trained(consumer=ctx.index, step=int(result["step"]), batch_ids=list(result["batch_ids"]),
+                               loss=float(result["loss"]), num_tokens=int(result.get("num_tokens", msg.num_tokens)),
+                               skipped=bool(result.get("skipped", False))))
+            if trainer.step_count % cfg.trainer.checkpoint_every == 0:
+                checkpoint()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return child_main("consumer", __doc__, body, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

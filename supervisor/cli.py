@@ -1,0 +1,302 @@
+"""Command-line front ends of the supervisor: ``train``, ``status``, ``restart``, ``clean``, ``bench``.
+
+``train`` maps flags (and ``--config FILE``, TOML or YAML, with the sections of ``shared.config.RunConfig``)
+onto the configuration, resolves the run (``supervisor.runplan``), and either prints it (``--plan``) or
+runs the supervisor. Flags given on the command line override the file; everything is validated before
+any process starts, and errors name the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from shared.config import REPO_ROOT, RunConfig
+from shared.errors import ConfigError, PeerTimeout
+
+log = logging.getLogger(__name__)
+
+# flag → (section, field, parser)
+def _ints(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+
+
+def _devices(s: str) -> list[str]:
+    out = [x.strip() for x in s.split(",") if x.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError("expected a comma-separated device list such as cpu,cpu or cuda:0,cuda:1")
+    return out
+
+
+FLAGS = {
+    "target": ("producer", "target", str, "target checkpoint directory (Hugging Face format)"),
+    "producers": ("producer", "devices", _devices, "one producer per device, e.g. cuda:0,cuda:1 or cpu,cpu"),
+    "dtype": ("producer", "dtype", str, "target dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32"),
+    "target_layers": ("producer", "target_layer_ids", _ints, "captured target layer ids, e.g. 1,9,17,25,33"),
+    "num_target_layers": ("producer", "num_target_layers", int, "number of captured layers when --target-layers is not given"),
+    "consumers": ("trainer", "devices", _devices, "one drafter trainer (data-parallel rank) per device"),
+    "block_size": ("trainer", "block_size", int, "DFlash block size B"),
+    "num_anchors": ("trainer", "num_anchors", int, "anchors per sequence"),
+    "num_draft_layers": ("trainer", "num_draft_layers", int, "drafter layers (default: number of captured layers)"),
+    "lr": ("trainer", "lr", float, "peak learning rate"),
+    "warmup_steps": ("trainer", "warmup_steps", int, "learning-rate warm-up steps"),
+    "grad_accum": ("trainer", "grad_accum", int, "micro-batches per optimizer step"),
+    "max_steps": ("trainer", "max_steps", int, "optimizer steps (ignored with --epochs)"),
+    "epochs": ("trainer", "epochs", int, "train this many epochs of the data"),
+    "checkpoint_every": ("trainer", "checkpoint_every", int, "optimizer steps between checkpoints"),
+    "eval_every": ("trainer", "eval_every", int, "steps between tau evaluations (0: at the end only)"),
+    "seed": ("trainer", "seed", int, "seed of the drafter and anchor sampling (and of the batch plan)"),
+    "data": ("data", "data", str, "Arrow file from `launch.py prepare` (default: the demo corpus)"),
+    "heldout": ("data", "heldout", str, "held-out Arrow file for tau evaluation"),
+    "max_tokens": ("data", "max_tokens", int, "padded tokens per batch"),
+    "max_batch_size": ("data", "max_batch_size", int, "sequences per batch"),
+    "num_slots": ("ring", "num_slots", int, "slots per producer ring"),
+    "slot_mb": ("ring", "slot_bytes", lambda s: int(float(s) * 2**20), "slot size in MiB (default: sized from the batch plan)"),
+    "hang_timeout_s": ("monitor", "hang_timeout_s", float, "kill a child that sends no heartbeat and makes no progress this long"),
+    "heartbeat_interval_s": ("monitor", "heartbeat_interval_s", float, "seconds between heartbeats"),
+    "max_restarts": ("monitor", "max_restarts", int, "restarts of one producer allowed per window"),
+}
+
+
+def default_devices() -> tuple[list[str], list[str]]:
+    """2 producers + 1 consumer: on CPU, or spread over the GPUs when there are some."""
+    try:
+        import torch
+        g = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        g = 0
+    if g == 0:
+        return ["cpu", "cpu"], ["cpu"]
+    if g == 1:
+        return ["cuda:0", "cuda:0"], ["cuda:0"]
+    if g == 2:
+        return ["cuda:0", "cuda:0"], ["cuda:1"]
+    return ["cuda:0", "cuda:1"], ["cuda:2"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="launch.py train", description="Train a DFlash drafter: producers (target "
+                                 "models) and consumers (drafter trainers) as separate processes over shared-memory rings.")
+    for flag, (_, _, typ, help_) in FLAGS.items():
+        ap.add_argument("--" + flag.replace("_", "-"), dest=flag, type=typ, default=None, help=help_)
+    ap.add_argument("--run-dir", default=None, help="run directory (metrics, checkpoints, logs, socket); default runs/default")
+    ap.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
+    ap.add_argument("--config", default=None, help="TOML or YAML file with the sections of RunConfig")
+    ap.add_argument("--plan", action="store_true", help="print the resolved topology and sizes, start nothing")
+    ap.add_argument("--checksum", action="store_true", default=None, help="CRC32 every slot payload and verify it")
+    ap.add_argument("--tcp", default=None, help="use TCP (e.g. tcp://127.0.0.1:5555) instead of an ipc socket")
+    return ap
+
+
+def _load_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: {p} does not exist")
+    text = p.read_text()
+    if p.suffix in (".toml",):
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib  # type: ignore
+        try:
+            return tomllib.loads(text)
+        except Exception as e:
+            raise ConfigError(f"--config: {p} is not valid TOML: {e}") from None
+    if p.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ModuleNotFoundError:
+            raise ConfigError("--config: YAML needs PyYAML (pip install pyyaml); or use TOML") from None
+        try:
+            d = yaml.safe_load(text)
+        except Exception as e:
+            raise ConfigError(f"--config: {p} is not valid YAML: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"--config: {p} must hold a mapping")
+        return d
+    raise ConfigError(f"--config: {p} must end in .toml, .yaml or .yml")
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """RunConfig from defaults, then ``--config FILE``, then explicit flags; raises ``ConfigError``."""
+    base = RunConfig().to_dict()
+    prod, cons = default_devices()
+    base["producer"]["devices"], base["trainer"]["devices"] = prod, cons
+    if args.config:
+        for key, value in _load_file(args.config).items():
+            if isinstance(value, dict) and isinstance(base.get(key), dict):
+                base[key].update(value)
+            else:
+                base[key] = value
+    for flag, (section, field_name, _, _) in FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            base[section][field_name] = value
+    if args.run_dir is not None:
+        base["run_dir"] = args.run_dir
+    if args.checksum:
+        base["ring"]["checksum"] = True
+    if args.tcp:
+        base["tcp"] = args.tcp
+    base["resume"] = bool(args.resume)
+    if base["data"].get("seed") in (None, 0) and args.seed is not None:
+        base["data"]["seed"] = args.seed
+    try:
+        return RunConfig.from_dict(base)
+    except TypeError as e:
+        raise ConfigError(f"--config: {e}") from None
+
+
+def _setup_logging(run_dir: str | None = None) -> None:
+    from shared.procs import configure_logging
+    configure_logging("supervisor")
+    if run_dir:
+        Path(run_dir, "logs").mkdir(parents=True, exist_ok=True)
+        fh = logging.FileHandler(Path(run_dir, "logs", "supervisor.log"))
+        fh.setFormatter(logging.getLogger().handlers[0].formatter)
+        logging.getLogger().addHandler(fh)
+
+
+def train_main(argv: list[str]) -> int:
+    """``launch.py [train] ...``: resolve and run (or print with ``--plan``). Returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = config_from_args(args)
+        run_dir = Path(cfg.run_dir)
+        if cfg.resume:
+            saved = run_dir / "config.json"
+            if not saved.is_file():
+                raise ConfigError(f"--resume: {saved} does not exist (nothing to resume in --run-dir {run_dir})")
+            cfg = RunConfig.from_dict(json.loads(saved.read_text()))
+            cfg.resume = True
+            print(f"resuming with the configuration saved in {saved} (flags other than --run-dir are ignored)",
+                  file=sys.stderr)
+        from supervisor.resume import prepare_run_dir
+        prepare_run_dir(cfg)
+        from supervisor.runplan import resolve_run
+        plan = resolve_run(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.plan:
+        print(plan.describe(cfg))
+        return 0
+    _setup_logging(cfg.run_dir)
+    from supervisor.supervisor import Supervisor
+    sup = Supervisor(cfg, plan)
+    outcome = sup.run()
+    s = sup.summary
+    print(f"\nrun {s['exit_reason']}: {s['trained_batches']}/{s['planned_batches']} batches trained "
+          f"(duplicates {s['duplicate_batches']}, lost {s['lost_batches']}, bad {s['bad_batches']}), "
+          f"loss {_fmt(s['loss_first'])} -> {_fmt(s['loss_last'])}, {s['tokens_per_s']:,.0f} tokens/s, "
+          f"{s['elapsed_s']:.0f} s, restarts {s['restarts']}\nsummary: {Path(cfg.run_dir) / 'summary.json'}",
+          file=sys.stderr)
+    return outcome.exit_code
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _address(run_dir: str) -> str:
+    from shared.procs import Topology
+    p = Path(run_dir) / "topology.json"
+    if not p.is_file():
+        raise ConfigError(f"--run-dir: {run_dir} has no topology.json (no run was started there)")
+    return Topology.load(run_dir).address
+
+
+def status_main(argv: list[str]) -> int:
+    """``launch.py status --run-dir R``: one line per process from the running supervisor."""
+    ap = argparse.ArgumentParser(prog="launch.py status")
+    ap.add_argument("--run-dir", default="runs/default")
+    ap.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    args = ap.parse_args(argv)
+    from shared import channel, messages as m
+    try:
+        reply = channel.request(_address(args.run_dir), m.Command(action="status"), timeout_s=5.0)
+    except (ConfigError, PeerTimeout) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    d = reply.data
+    if args.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    print(f"run {d['run_id']}  step {d['step']}  trained {d['trained']}/{d['planned']} batches  loss {_fmt(d['loss'])}")
+    print(f"{'process':<12}{'pid':>8}{'gen':>5} {'state':<9}{'hb_age':>7}{'tok/s':>10}{'cpu%':>7}{'rss_MiB':>9}"
+          f"{'gpu_MiB':>9}{'restarts':>9}  ring F/W/R/r")
+    for r in d["rows"]:
+        ring = r.get("ring")
+        ring_s = "{FREE}/{WRITING}/{READY}/{READING}".format(**ring) if ring else ""
+        print(f"{r['role'] + '-' + str(r['index']):<12}{r['pid'] or '-':>8}{r['generation']:>5} {r['state']:<9}"
+              f"{_num(r.get('heartbeat_age_s'), '.1f'):>7}{_num(r.get('tokens_per_s'), ',.0f'):>10}"
+              f"{_num(r.get('cpu_percent'), '.0f'):>7}{_num(_mib(r.get('rss_bytes')), '.0f'):>9}"
+              f"{_num(_mib(r.get('gpu_mem_bytes')), '.0f'):>9}{r['restarts']:>9}  {ring_s}")
+    return 0
+
+
+def _mib(x):
+    return None if x is None else x / 2**20
+
+
+def _num(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def restart_main(argv: list[str]) -> int:
+    """``launch.py restart producer N --run-dir R``: graceful restart of one producer."""
+    ap = argparse.ArgumentParser(prog="launch.py restart")
+    ap.add_argument("role", choices=["producer"])
+    ap.add_argument("index", type=int)
+    ap.add_argument("--run-dir", default="runs/default")
+    args = ap.parse_args(argv)
+    from shared import channel, messages as m
+    try:
+        reply = channel.request(_address(args.run_dir), m.Command(action="restart", role=args.role, index=args.index))
+    except (ConfigError, PeerTimeout) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(reply.text, file=sys.stdout if reply.ok else sys.stderr)
+    return 0 if reply.ok else 1
+
+
+def clean_main(argv: list[str]) -> int:
+    """``launch.py clean``: remove segments and socket files of runs whose supervisor is dead."""
+    ap = argparse.ArgumentParser(prog="launch.py clean")
+    ap.add_argument("--run-dir", action="append", default=[], help="also look in this run directory (repeatable)")
+    args = ap.parse_args(argv)
+    from supervisor.resume import stale_sockets
+    from shared.ring import sweep_stale
+    removed = sweep_stale()
+    dirs = [Path(d) for d in args.run_dir] + sorted((REPO_ROOT / "runs").glob("*"))
+    socks = []
+    for d in dirs:
+        for sock in stale_sockets(d):
+            os.unlink(sock)
+            socks.append(str(sock))
+    for name in removed:
+        print(f"removed segment /dev/shm/{name}")
+    for s in socks:
+        print(f"removed socket {s}")
+    print(f"clean: {len(removed)} segment(s), {len(socks)} socket(s) removed")
+    return 0
+
+
+def bench_main(argv: list[str]) -> int:
+    """``launch.py bench [transport|producer] ARGS``: run a benchmark script from ``benchmarks/``."""
+    name = argv[0] if argv and not argv[0].startswith("-") else "transport"
+    rest = argv[1:] if argv and not argv[0].startswith("-") else argv
+    script = REPO_ROOT / "benchmarks" / f"{name}.py"
+    if not script.is_file():
+        print(f"error: no benchmark {name!r} (have: {', '.join(p.stem for p in (REPO_ROOT / 'benchmarks').glob('*.py'))})",
+              file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *rest], cwd=REPO_ROOT)

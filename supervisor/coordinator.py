@@ -1,0 +1,308 @@
+"""The coordinator's logic: the batch ledger, slot states, leases, routing and fencing — no sockets.
+
+``Coordinator`` is a pure state machine. The supervisor's loop feeds it events (messages received,
+producers started or dead) and sends what ``pump()`` returns. Tests drive it directly.
+
+What it guarantees:
+
+* **Exactly once.** Every batch of ``order`` (the run's batches in plan order, minus those already trained
+  before a resume) is delivered for training exactly once, unless a producer marks it bad (then it is
+  counted in ``bad_batches`` and never delivered). A batch whose producer dies before publishing it goes
+  back to the lease queue; a published (READY) batch of a dead producer is still delivered from the ring.
+* **Deterministic order.** Batches are delivered in ``order``, round robin over consumers (delivery k goes
+  to consumer k mod M), whatever the number and speed of producers, so a run and its resume train the same
+  batches in the same order on every rank.
+* **Fencing.** Each producer incarnation has a generation. ``producer_died`` bumps it; any message that
+  carries another generation is rejected (logged, counted, never acted on). A dead producer's WRITING slots
+  become FREE only when the supervisor reports it dead, which it does only after it has reaped the process.
+* **Back-pressure.** A producer is leased a batch only with a FREE slot of its own ring; a consumer is
+  delivered a slot only while it holds fewer than ``max_unreleased`` unreleased slots.
+
+What it does not do: it does not time anything (the monitor does) and does not persist itself (the
+trained batch ids are saved with the trainer's checkpoint and passed back in on resume).
+
+Slot states: FREE → (lease) → WRITING → (SlotReady) → READY → (deliver) → READING → (SlotReleased) → FREE.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from shared import messages as m
+
+log = logging.getLogger(__name__)
+
+FREE, WRITING, READY, READING = "FREE", "WRITING", "READY", "READING"
+
+
+@dataclass
+class BatchInfo:
+    """What the coordinator must know of a batch to lease it (mirrors ``shared.data.Batch``)."""
+    batch_id: int
+    epoch: int
+    sample_ids: Sequence[int]
+    pad_to: int
+
+
+@dataclass
+class Slot:
+    state: str = FREE
+    batch_id: int = -1
+    generation: int = 0
+    consumer: int = -1
+
+
+@dataclass
+class ProducerState:
+    generation: int = 1
+    live: bool = False          # a Hello of the current generation has arrived
+    slots: list[Slot] = field(default_factory=list)
+    seq: int = 0
+    restarts: int = 0
+
+
+class Coordinator:
+    """Ledger and router for ``num_producers`` rings of ``num_slots`` slots and ``num_consumers`` trainers.
+
+    ``order`` is the run's batch list in training order. ``trained`` holds batch ids already trained
+    (resume). Raises ``ValueError`` for duplicate batch ids in ``order``.
+    """
+
+    def __init__(self, order: Sequence[BatchInfo], num_producers: int, num_slots: int, num_consumers: int,
+                 trained: set[int] | None = None, max_unreleased: int = 2):
+        ids = [b.batch_id for b in order]
+        if len(set(ids)) != len(ids):
+            dup = [k for k, v in Counter(ids).items() if v > 1][:5]
+            raise ValueError(f"batch order has duplicate batch ids, e.g. {dup}")
+        trained = set(trained or ())
+        self.batches = {b.batch_id: b for b in order}
+        self.position = {b.batch_id: i for i, b in enumerate(order)}
+        self.order = [b for b in ids if b not in trained]
+        self.trained_before = len(ids) - len(self.order)
+        self.num_consumers = num_consumers
+        self.max_unreleased = max_unreleased
+        self.producers = [ProducerState(slots=[Slot() for _ in range(num_slots)]) for _ in range(num_producers)]
+        self._lease_heap: list[tuple[int, int]] = [(self.position[b], b) for b in self.order]
+        heapq.heapify(self._lease_heap)
+        self.where: dict[int, tuple[int, int]] = {}          # batch id → (producer, slot) while in a ring
+        self.to_deliver: deque[int] = deque(self.order)      # delivery queue, plan order
+        self.delivered = 0
+        self.unreleased = [0] * num_consumers
+        self.trained: set[int] = set()
+        self.trained_counts: Counter = Counter()
+        self.bad: dict[int, str] = {}
+        self.rejected = Counter()                            # reason → count
+        self.last_step = [0] * num_consumers
+        self.loss_first: float | None = None
+        self.loss_last: float | None = None
+        self.consumer_bad_retries: Counter = Counter()
+        self.redeliver_to: dict[int, int] = {}
+        self.ready_msgs: dict[tuple[int, int], m.SlotReady] = {}   # (producer, slot) → its SlotReady
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def done(self) -> bool:
+        """Every batch of the order is trained or bad."""
+        return len(self.trained) + len(self.bad) >= len(self.order)
+
+    @property
+    def duplicates(self) -> int:
+        return sum(c - 1 for c in self.trained_counts.values() if c > 1)
+
+    def occupancy(self, producer: int) -> dict[str, int]:
+        """Slot counts by state for one producer's ring."""
+        c = Counter(s.state for s in self.producers[producer].slots)
+        return {k: c.get(k, 0) for k in (FREE, WRITING, READY, READING)}
+
+    def lost(self) -> list[int]:
+        """Batches of the order that were neither trained nor marked bad (non-empty only if the run stopped early)."""
+        return [b for b in self.order if b not in self.trained and b not in self.bad]
+
+    # ------------------------------------------------------------------ producer life cycle
+    def producer_started(self, p: int) -> int:
+        """The supervisor started producer ``p``; returns the generation it must run as."""
+        return self.producers[p].generation
+
+    def producer_died(self, p: int) -> int:
+        """Producer ``p`` has exited and been reaped: fence it and reclaim its unpublished slots.
+
+        WRITING slots become FREE and their batches return to the lease queue; READY and READING slots are
+        kept. Returns the new generation.
+        """
+        ps = self.producers[p]
+        reclaimed = []
+        for i, s in enumerate(ps.slots):
+            if s.state == WRITING:
+                reclaimed.append(s.batch_id)
+                self.where.pop(s.batch_id, None)
+                heapq.heappush(self._lease_heap, (self.position[s.batch_id], s.batch_id))
+                ps.slots[i] = Slot()
+        ps.generation += 1
+        ps.live = False
+        ps.restarts += 1
+        log.info("fence producer=%d generation=%d requeued=%s", p, ps.generation, reclaimed)
+        return ps.generation
+
+    # ------------------------------------------------------------------ messages
+    def _fenced(self, p: int, generation: int, what: str) -> bool:
+        if not 0 <= p < len(self.producers):
+            self.rejected["bad_producer_index"] += 1
+            log.warning("reject %s producer=%s reason=no_such_producer", what, p)
+            return True
+        if generation != self.producers[p].generation:
+            self.rejected["stale_generation"] += 1
+            log.warning("reject %s producer=%d generation=%d current=%d reason=stale_generation",
+                        what, p, generation, self.producers[p].generation)
+            return True
+        return False
+
+    def _slot(self, p: int, slot: int, what: str) -> Slot | None:
+        slots = self.producers[p].slots
+        if not 0 <= slot < len(slots):
+            self.rejected["bad_slot"] += 1
+            log.warning("reject %s producer=%d slot=%s reason=no_such_slot", what, p, slot)
+            return None
+        return slots[slot]
+
+    def on_hello(self, role: str, index: int, generation: int) -> None:
+        if role == "producer":
+            if self._fenced(index, generation, "hello"):
+                return
+            self.producers[index].live = True
+
+    def on_slot_ready(self, msg: m.SlotReady) -> bool:
+        """A producer published a slot; returns False if the message was rejected."""
+        if self._fenced(msg.producer, msg.generation, "slot_ready"):
+            return False
+        s = self._slot(msg.producer, msg.slot, "slot_ready")
+        if s is None or s.state != WRITING or s.batch_id != msg.batch_id:
+            self.rejected["unexpected_slot_ready"] += 1
+            log.warning("reject slot_ready producer=%d slot=%d batch=%d reason=slot_not_leased_for_it state=%s",
+                        msg.producer, msg.slot, msg.batch_id, s.state if s else "?")
+            return False
+        s.state = READY
+        self.ready_msgs[(msg.producer, msg.slot)] = msg
+        return True
+
+    def on_bad_batch(self, msg: m.BadBatch, from_consumer: bool) -> None:
+        """A producer could not produce a batch (counted bad), or a consumer could not read it (re-leased once)."""
+        if from_consumer:
+            s = self._slot(msg.producer, msg.slot, "bad_batch")
+            if s is None or s.state != READING or s.batch_id != msg.batch_id:
+                self.rejected["unexpected_bad_batch"] += 1
+                return
+            s_consumer = s.consumer
+            self._release(msg.producer, s)
+            self.consumer_bad_retries[msg.batch_id] += 1
+            if self.consumer_bad_retries[msg.batch_id] > 1:
+                self._mark_bad(msg.batch_id, f"consumer: {msg.reason}")
+            else:
+                self.to_deliver.appendleft(msg.batch_id)
+                self.redeliver_to[msg.batch_id] = s_consumer  # same rank, same turn: DP ranks stay in step
+                heapq.heappush(self._lease_heap, (self.position[msg.batch_id], msg.batch_id))
+            return
+        if self._fenced(msg.producer, msg.generation, "bad_batch"):
+            return
+        s = self._slot(msg.producer, msg.slot, "bad_batch")
+        if s is None or s.state != WRITING or s.batch_id != msg.batch_id:
+            self.rejected["unexpected_bad_batch"] += 1
+            return
+        self.producers[msg.producer].slots[msg.slot] = Slot()
+        self.where.pop(msg.batch_id, None)
+        self._mark_bad(msg.batch_id, msg.reason)
+
+    def _mark_bad(self, batch_id: int, reason: str) -> None:
+        self.bad[batch_id] = reason
+        log.warning("bad_batch batch=%d reason=%s", batch_id, reason)
+        try:
+            self.to_deliver.remove(batch_id)
+        except ValueError:
+            pass
+
+    def _release(self, p: int, s: Slot) -> None:
+        if 0 <= s.consumer < self.num_consumers:
+            self.unreleased[s.consumer] -= 1
+        self.where.pop(s.batch_id, None)
+        s.state, s.batch_id, s.consumer = FREE, -1, -1
+
+    def on_slot_released(self, msg: m.SlotReleased) -> bool:
+        """A consumer's copy out of a slot completed; the slot is FREE again."""
+        if not 0 <= msg.producer < len(self.producers):
+            self.rejected["bad_producer_index"] += 1
+            return False
+        s = self._slot(msg.producer, msg.slot, "slot_released")
+        # generation here is the one that wrote the data, which may be older than the producer's current one
+        if s is None or s.state != READING or s.batch_id != msg.batch_id or s.generation != msg.generation:
+            self.rejected["unexpected_slot_released"] += 1
+            log.warning("reject slot_released producer=%d slot=%d batch=%d", msg.producer, msg.slot, msg.batch_id)
+            return False
+        self._release(msg.producer, s)
+        return True
+
+    def on_trained(self, msg: m.Trained) -> None:
+        """A consumer took an optimizer step covering ``msg.batch_ids``."""
+        if 0 <= msg.consumer < self.num_consumers:
+            self.last_step[msg.consumer] = max(self.last_step[msg.consumer], msg.step)
+        for b in msg.batch_ids:
+            if b not in self.batches:
+                self.rejected["unknown_batch"] += 1
+                continue
+            self.trained_counts[b] += 1
+            self.trained.add(b)
+        if not msg.skipped:
+            if self.loss_first is None:
+                self.loss_first = msg.loss
+            self.loss_last = msg.loss
+
+    # ------------------------------------------------------------------ actions
+    def pump(self) -> list[tuple[str, int, Any]]:
+        """Leases and deliveries that can go out now: a list of ``(role, index, message)``."""
+        out: list[tuple[str, int, Any]] = []
+        # deliveries, strictly in order
+        while self.to_deliver:
+            b = self.to_deliver[0]
+            if b in self.bad:
+                self.to_deliver.popleft()
+                continue
+            loc = self.where.get(b)
+            if loc is None:
+                break
+            p, i = loc
+            s = self.producers[p].slots[i]
+            if s.state != READY:
+                break
+            redelivery = b in self.redeliver_to
+            c = self.redeliver_to[b] if redelivery else self.delivered % self.num_consumers
+            if self.unreleased[c] >= self.max_unreleased:
+                break
+            self.to_deliver.popleft()
+            if redelivery:
+                del self.redeliver_to[b]
+            else:
+                self.delivered += 1
+            self.unreleased[c] += 1
+            s.state, s.consumer = READING, c
+            out.append(("consumer", c, self.ready_msgs.pop((p, i))))
+        # leases, lowest plan position first, to the live producer with most free slots
+        while self._lease_heap:
+            free = [(sum(s.state == FREE for s in ps.slots), -p) for p, ps in enumerate(self.producers) if ps.live]
+            free = [f for f in free if f[0] > 0]
+            if not free:
+                break
+            _, neg_p = max(free)
+            p = -neg_p
+            _, b = heapq.heappop(self._lease_heap)
+            if b in self.bad or b in self.trained or b in self.where:
+                continue
+            ps = self.producers[p]
+            i = next(k for k, s in enumerate(ps.slots) if s.state == FREE)
+            ps.slots[i] = Slot(state=WRITING, batch_id=b, generation=ps.generation)
+            self.where[b] = (p, i)
+            info = self.batches[b]
+            out.append(("producer", p, m.Lease(batch_id=b, slot=i, generation=ps.generation, epoch=info.epoch,
+                                               sample_ids=list(info.sample_ids), pad_to=info.pad_to)))
+        return out

@@ -1,0 +1,125 @@
+"""Health monitor: per-child heartbeats, psutil samples, hang detection and the restart policy.
+
+The monitor decides; the supervisor acts. What it promises:
+
+* A child is **hung** when, for ``hang_timeout_s``, it has sent no heartbeat *and* made no progress
+  (published or trained nothing); a child that never says Hello within ``startup_timeout_s`` is hung too.
+  A hung child is killed (whole process group) and reaped before anything it owned is reused.
+* A producer that died or was killed for hanging is restarted after an exponential back-off
+  (``backoff_base_s · 2^(k−1)``, capped at ``backoff_max_s``, k = restarts in the window), unless it has
+  already been restarted ``max_restarts`` times within ``restart_window_s``; then the run stops.
+* Samples (CPU %, RSS, threads) come from psutil for every live child; GPU memory comes from the child's
+  own heartbeat stats (``gpu_mem_bytes``).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import psutil
+
+from shared.config import MonitorConfig
+
+
+@dataclass
+class Child:
+    """One child process slot (the process itself changes across restarts)."""
+    role: str
+    index: int
+    generation: int = 1
+    proc: subprocess.Popen | None = None
+    state: str = "new"             # new | starting | running | backoff | stopping | exited | failed
+    started_at: float = 0.0
+    last_heartbeat: float = 0.0
+    last_progress: float = 0.0
+    hello: bool = False
+    stats: dict = field(default_factory=dict)
+    restart_times: deque = field(default_factory=deque)
+    restart_at: float = 0.0
+    restarts: int = 0
+    graceful_restart: bool = False
+    last_exitcode: int | None = None
+    _ps: psutil.Process | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class HealthMonitor:
+    """Tracks children and answers: who is hung, may this one restart, after how long."""
+
+    def __init__(self, cfg: MonitorConfig, clock: Callable[[], float] = time.monotonic):
+        self.cfg = cfg
+        self.clock = clock
+
+    def started(self, child: Child, proc: subprocess.Popen) -> None:
+        now = self.clock()
+        child.proc, child.state, child.started_at = proc, "starting", now
+        child.last_heartbeat = child.last_progress = now
+        child.hello, child.stats, child._ps = False, {}, None
+        child.graceful_restart = False
+
+    def on_hello(self, child: Child) -> None:
+        child.hello, child.state, child.last_heartbeat = True, "running", self.clock()
+
+    def on_heartbeat(self, child: Child, stats: dict) -> None:
+        child.last_heartbeat = self.clock()
+        child.stats.update(stats)
+
+    def on_progress(self, child: Child) -> None:
+        child.last_progress = self.clock()
+
+    def hung(self, child: Child) -> str:
+        """Why ``child`` counts as hung ("" if it does not)."""
+        if not child.alive() or child.state in ("stopping",):
+            return ""
+        now = self.clock()
+        if not child.hello:
+            if now - child.started_at > self.cfg.startup_timeout_s:
+                return f"no hello within startup_timeout_s={self.cfg.startup_timeout_s:g}"
+            return ""
+        quiet = now - max(child.last_heartbeat, child.last_progress)
+        if quiet > self.cfg.hang_timeout_s:
+            return f"no heartbeat or progress for {quiet:.1f}s > hang_timeout_s={self.cfg.hang_timeout_s:g}"
+        return ""
+
+    def schedule_restart(self, child: Child) -> float | None:
+        """Record a restart of ``child``; returns the back-off delay in seconds, or None if over the cap."""
+        now = self.clock()
+        while child.restart_times and now - child.restart_times[0] > self.cfg.restart_window_s:
+            child.restart_times.popleft()
+        if len(child.restart_times) >= self.cfg.max_restarts:
+            return None
+        child.restart_times.append(now)
+        child.restarts += 1
+        k = len(child.restart_times)
+        delay = 0.0 if child.graceful_restart else min(self.cfg.backoff_max_s, self.cfg.backoff_base_s * 2 ** (k - 1))
+        child.restart_at = now + delay
+        child.state = "backoff"
+        return delay
+
+    def sample(self, child: Child) -> dict:
+        """psutil figures for a live child: ``cpu_percent``, ``rss_bytes``, ``threads`` (empty if gone)."""
+        if not child.alive():
+            return {}
+        try:
+            if child._ps is None or child._ps.pid != child.pid:
+                child._ps = psutil.Process(child.pid)
+                child._ps.cpu_percent(None)
+            with child._ps.oneshot():
+                return {"cpu_percent": child._ps.cpu_percent(None), "rss_bytes": child._ps.memory_info().rss,
+                        "threads": child._ps.num_threads()}
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return {}

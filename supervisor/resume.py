@@ -1,0 +1,109 @@
+"""The run directory across runs: choosing it, refusing to share it, and resuming from it.
+
+* A fresh run gets ``runs/<UTC time>`` unless ``--run-dir`` names one; ``runs/latest`` points at the newest.
+* A run directory whose supervisor is still alive is refused (two supervisors would share a socket).
+* A fresh run into a directory that already holds checkpoints is refused (use ``--resume`` or another
+  directory) so no earlier result is overwritten.
+* ``--resume``: the trained batch ids come from the latest checkpoint (``consumer.checkpoint``); the
+  ``metrics.jsonl`` records of steps after that checkpoint are moved to ``metrics.discarded.jsonl``
+  because their weights were lost, so the final ``metrics.jsonl`` lists every batch exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import psutil
+
+from shared.config import REPO_ROOT, RunConfig
+from shared.errors import ConfigError
+
+
+def _supervisor_alive(run_dir: Path) -> int | None:
+    """Pid of a live supervisor that owns ``run_dir``, else None."""
+    p = run_dir / "topology.json"
+    try:
+        pid = int(json.loads(p.read_text())["supervisor_pid"])
+    except (OSError, ValueError, KeyError):
+        return None
+    if pid == os.getpid() or not psutil.pid_exists(pid):
+        return None
+    try:
+        cmd = " ".join(psutil.Process(pid).cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return pid if "python" in cmd or "specring" in cmd else None
+
+
+def stale_sockets(run_dir: Path) -> list[Path]:
+    """Socket files in ``run_dir`` left by a supervisor that is no longer alive."""
+    sock = Path(run_dir) / "coord.sock"
+    if sock.exists() and _supervisor_alive(Path(run_dir)) is None:
+        return [sock]
+    return []
+
+
+def prepare_run_dir(cfg: RunConfig) -> None:
+    """Pick and check ``cfg.run_dir`` (see module docstring); raises ``ConfigError`` naming ``--run-dir``."""
+    if cfg.run_dir in ("", "runs/default") and not cfg.resume:
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        cfg.run_dir = str(REPO_ROOT / "runs" / stamp)
+        latest = REPO_ROOT / "runs" / "latest"
+        latest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = latest.with_name(f".latest-{os.getpid()}")
+        if tmp.is_symlink():
+            tmp.unlink()
+        tmp.symlink_to(stamp)
+        os.replace(tmp, latest)
+    run_dir = Path(cfg.run_dir)
+    pid = _supervisor_alive(run_dir)
+    if pid is not None:
+        raise ConfigError(f"--run-dir: a run is already going in {run_dir} (supervisor pid {pid}); "
+                          f"watch it with `launch.py status --run-dir {run_dir}`")
+    if not cfg.resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+        raise ConfigError(f"--run-dir: {run_dir} already holds checkpoints of an earlier run; "
+                          f"continue it with --resume or choose another --run-dir")
+    if cfg.resume:
+        latest_step = latest_checkpoint_step(run_dir)
+        if latest_step is None:
+            raise ConfigError(f"--resume: {run_dir} has no checkpoint to resume from")
+        truncate_metrics(run_dir, latest_step)
+
+
+def latest_checkpoint_step(run_dir: Path) -> int | None:
+    """Step of the checkpoint that ``checkpoints/latest`` names, or None."""
+    from consumer.checkpoint import latest_checkpoint, checkpoint_step
+    path = latest_checkpoint(run_dir)
+    return None if path is None else checkpoint_step(path)
+
+
+def read_trained_from_checkpoint(run_dir: Path) -> set[int]:
+    """Batch ids trained up to the latest checkpoint of ``run_dir`` (empty set if there is none)."""
+    from consumer.checkpoint import latest_checkpoint, read_trained_batch_ids
+    path = latest_checkpoint(run_dir)
+    return set() if path is None else set(read_trained_batch_ids(path))
+
+
+def truncate_metrics(run_dir: Path, step: int) -> int:
+    """Move ``metrics.jsonl`` records of steps after ``step`` to ``metrics.discarded.jsonl``; returns how many."""
+    p = Path(run_dir) / "metrics.jsonl"
+    if not p.is_file():
+        return 0
+    keep, drop = [], []
+    for line in p.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            drop.append(line)  # a line cut short by a kill
+            continue
+        (keep if int(rec.get("step", 0)) <= step else drop).append(line)
+    if drop:
+        with open(Path(run_dir) / "metrics.discarded.jsonl", "a") as f:
+            f.write("\n".join(drop) + "\n")
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text("".join(x + "\n" for x in keep))
+        os.replace(tmp, p)
+    return len(drop)

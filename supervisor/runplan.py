@@ -1,0 +1,185 @@
+"""Resolving a run before anything starts: data, batch order, target shape, layer ids, ring sizes.
+
+``resolve_run(cfg)`` validates everything that can be checked without starting a process (devices exist,
+layer ids fit the target, ``/dev/shm`` has room for the rings) and raises ``ConfigError`` naming the flag;
+it returns a ``RunPlan`` that ``launch.py train --plan`` prints and the supervisor executes.
+
+Batch order: epochs of the deterministic ``BatchPlan`` concatenated; with ``--epochs E`` all batches of E
+epochs, else the first ``max_steps · consumers · grad_accum`` batches. The order is truncated to a multiple
+of ``consumers · grad_accum`` so every data-parallel rank takes the same number of optimizer steps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shared.config import REPO_ROOT, RunConfig
+from shared.errors import ConfigError
+from shared.layout import ALIGN
+from shared.ring import PAGE, segment_bytes, shm_free_bytes
+from supervisor.coordinator import BatchInfo
+
+log = logging.getLogger(__name__)
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass
+class RunPlan:
+    """The resolved run: what ``--plan`` prints and the supervisor executes."""
+    order: list[BatchInfo]
+    total_steps: int
+    batches_per_epoch: int
+    slot_bytes: int
+    ring_bytes: int
+    target_layer_ids: list[int]
+    hidden_size: int
+    num_layers: int
+    dtype_per_producer: list[str]
+    plan_summary: str
+    notes: list[str] = field(default_factory=list)
+
+    def describe(self, cfg: RunConfig) -> str:
+        """Human-readable topology, sizes and shared memory, as printed by ``train --plan``."""
+        n = len(cfg.producer.devices)
+        lines = [
+            f"run_dir: {cfg.run_dir}",
+            f"target: {cfg.producer.target}  ({self.num_layers} layers, hidden {self.hidden_size})",
+            f"target layers captured: {self.target_layer_ids}",
+            f"data: {cfg.data.data}",
+            f"producers: {n}  devices {cfg.producer.devices}  dtype {self.dtype_per_producer}",
+            f"consumers: {len(cfg.trainer.devices)}  devices {cfg.trainer.devices}  "
+            f"(block size {cfg.trainer.block_size}, anchors {cfg.trainer.num_anchors}, grad_accum {cfg.trainer.grad_accum})",
+            f"batches: {len(self.order)} planned ({self.batches_per_epoch} per epoch), optimizer steps: {self.total_steps}",
+            f"rings: {n} x {cfg.ring.num_slots} slots x {self.slot_bytes / 2**20:.2f} MiB = "
+            f"{n * self.ring_bytes / 2**20:.1f} MiB of /dev/shm ({shm_free_bytes() / 2**20:.0f} MiB free)",
+            "batch plan (epoch 0):",
+            "  " + self.plan_summary.replace("\n", "\n  "),
+        ]
+        lines += [f"note: {x}" for x in self.notes]
+        return "\n".join(lines)
+
+
+def check_device(spec: str, flag: str) -> None:
+    """Raise ``ConfigError`` naming ``flag`` if ``spec`` is not a device this machine has."""
+    if spec == "cpu":
+        return
+    if spec.startswith("cuda"):
+        idx = int(spec.split(":", 1)[1]) if ":" in spec and spec.split(":", 1)[1].isdigit() else 0 if spec == "cuda" else None
+        if idx is None:
+            raise ConfigError(f"{flag}: cannot parse device {spec!r} (use cpu or cuda:N)")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if idx >= count:
+            raise ConfigError(f"{flag}: device {spec} does not exist (this machine has {count} CUDA device(s))")
+        return
+    raise ConfigError(f"{flag}: unknown device {spec!r} (use cpu or cuda:N)")
+
+
+def target_shape(target: str) -> dict:
+    """``hidden_size``, ``num_hidden_layers`` (and the rest of ``config.json``) of a local target checkpoint."""
+    path = Path(target)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise ConfigError(f"--target: {path} is not a Hugging Face checkpoint directory (no config.json)")
+    d = json.loads(cfg_path.read_text())
+    d = d.get("text_config", d)
+    for key in ("hidden_size", "num_hidden_layers"):
+        if key not in d:
+            raise ConfigError(f"--target: {cfg_path} has no {key!r}")
+    return d
+
+
+def slot_bytes_for(max_real_tokens: int, max_batch_size: int, num_layers: int, hidden: int, esize: int) -> int:
+    """Bytes of the largest payload: hidden ``[T, n·H]``, input_ids ``[T]`` int32, loss_mask ``[T]`` uint8,
+    cu_seqlens ``[B+1]`` int32, each tensor 64-byte aligned; rounded up to 4 KiB."""
+    t = max_real_tokens
+    need = t * num_layers * hidden * esize + 4 * t + t + 4 * (max_batch_size + 1) + 4 * ALIGN
+    return (need + PAGE - 1) // PAGE * PAGE
+
+
+def resolve_run(cfg: RunConfig) -> RunPlan:
+    """Validate ``cfg`` and compute the ``RunPlan``; raises ``ConfigError`` naming the flag at fault.
+
+    Fills in ``cfg.data.data``/``cfg.data.heldout`` (demo corpus, prepared on first use),
+    ``cfg.producer.target_layer_ids``, ``cfg.ring.slot_bytes`` when 0 and ``cfg.trainer.max_steps`` when
+    ``--epochs`` is given, so that children read fully resolved values.
+    """
+    from producers.target import resolve_layer_ids
+    from shared.data import BatchPlan, TokenDataset
+
+    for i, d in enumerate(cfg.producer.devices):
+        check_device(d, "--producers")
+    for d in cfg.trainer.devices:
+        check_device(d, "--consumers")
+    shape = target_shape(cfg.producer.target)
+    L, H = int(shape["num_hidden_layers"]), int(shape["hidden_size"])
+    try:
+        ids = resolve_layer_ids(L, cfg.producer.target_layer_ids, cfg.producer.num_target_layers)
+    except (ConfigError, ValueError) as e:
+        raise ConfigError(f"--target-layers: {e}") from None
+    cfg.producer.target_layer_ids = list(ids)
+    if not cfg.data.data:
+        from shared.prepare import ensure_demo
+        train, heldout = ensure_demo(REPO_ROOT)
+        cfg.data.data, cfg.data.heldout = str(train), cfg.data.heldout or str(heldout)
+    if not Path(cfg.data.data).is_file():
+        raise ConfigError(f"--data: {cfg.data.data} does not exist (build one with `launch.py prepare`)")
+    ds = TokenDataset(cfg.data.data)
+    if len(ds) == 0:
+        raise ConfigError(f"--data: {cfg.data.data} has no samples")
+    if ds.vocab_size is not None and ds.vocab_size > int(shape.get("vocab_size", ds.vocab_size)):
+        raise ConfigError(f"--data: tokenized with a vocabulary of {ds.vocab_size}, larger than the target's "
+                          f"{shape.get('vocab_size')}")
+    dc = cfg.data
+    plan = BatchPlan(ds.lengths, max_tokens=dc.max_tokens, max_batch_size=dc.max_batch_size,
+                     bucket_edges=dc.bucket_edges, num_buckets=dc.num_buckets, seed=dc.seed,
+                     fingerprint=ds.fingerprint)
+    per_epoch = plan.num_batches()
+    world, accum = len(cfg.trainer.devices), cfg.trainer.grad_accum
+    per_step = world * accum
+    notes = []
+    order: list[BatchInfo] = []
+    if cfg.trainer.epochs:
+        for e in range(cfg.trainer.epochs):
+            order.extend(BatchInfo(b.batch_id, b.epoch, b.sample_ids, b.pad_to) for b in plan.epoch(e))
+    else:
+        need, e = cfg.trainer.max_steps * per_step, 0
+        while len(order) < need:
+            order.extend(BatchInfo(b.batch_id, b.epoch, b.sample_ids, b.pad_to) for b in plan.epoch(e))
+            e += 1
+        order = order[:need]
+    usable = len(order) // per_step * per_step
+    if usable == 0:
+        raise ConfigError(f"--epochs/--max-steps: {len(order)} batches cannot feed {world} consumer(s) x "
+                          f"grad_accum {accum}")
+    if usable < len(order):
+        notes.append(f"{len(order) - usable} trailing batch(es) dropped so every consumer takes the same steps")
+        order = order[:usable]
+    cfg.trainer.max_steps = usable // per_step
+    dtypes = []
+    for d in cfg.producer.devices:
+        dt = cfg.producer.dtype if cfg.producer.dtype != "auto" else ("bfloat16" if d.startswith("cuda") else "float32")
+        dtypes.append(dt)
+    esize = max(DTYPE_BYTES[d] for d in dtypes)
+    max_real = max(dc.max_tokens, int(ds.lengths.max()))
+    need_slot = slot_bytes_for(max_real, dc.max_batch_size, len(ids), H, esize)
+    if cfg.ring.slot_bytes == 0:
+        cfg.ring.slot_bytes = need_slot
+    elif cfg.ring.slot_bytes < need_slot:
+        raise ConfigError(f"--slot-mb: slots of {cfg.ring.slot_bytes / 2**20:.2f} MiB are too small for a batch of "
+                          f"{max_real} tokens x {len(ids)} layers x hidden {H}: need {need_slot / 2**20:.2f} MiB")
+    ring_bytes = segment_bytes(cfg.ring.num_slots, cfg.ring.slot_bytes)
+    total = ring_bytes * len(cfg.producer.devices)
+    free = shm_free_bytes()
+    if total > free:
+        raise ConfigError(f"--num-slots/--slot-mb: the rings need {total / 2**20:.1f} MiB of /dev/shm but only "
+                          f"{free / 2**20:.1f} MiB is free")
+    return RunPlan(order=order, total_steps=cfg.trainer.max_steps, batches_per_epoch=per_epoch,
+                   slot_bytes=cfg.ring.slot_bytes, ring_bytes=ring_bytes, target_layer_ids=list(ids),
+                   hidden_size=H, num_layers=L, dtype_per_producer=dtypes, plan_summary=plan.summary(),
+                   notes=notes)

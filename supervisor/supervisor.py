@@ -1,0 +1,407 @@
+"""The supervisor process: owns the rings, the coordinator socket and every child; runs the event loop.
+
+``Supervisor(config).run()`` builds the batch order, creates one ring per producer, binds the ROUTER
+socket, starts producers and consumers, and loops: receive control messages and hand them to the
+``Coordinator``, send what it pumps out, watch children with the ``HealthMonitor`` (reap the dead, kill the
+hung, restart producers with a new generation), answer ``launch.py status``/``restart``, and keep a live
+progress line. At the end (all batches trained, a signal, or a consumer's death) consumers are asked to
+stop (they write a checkpoint), producers are stopped, and everything the run created in ``/dev/shm`` and
+the socket file are removed; ``summary.json`` records the outcome.
+
+Guarantees: a producer's unpublished slots are reclaimed only after its process has been reaped; a
+consumer's death ends the run with its last checkpoint kept (``--resume`` continues); rings and the socket
+are removed in ``finally`` whatever happens, and a SIGKILL of the supervisor itself leaves children that
+die within a second or two (parent-death signal) and segments that the next start sweeps.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+
+from shared import channel, messages as m
+from shared.config import RunConfig
+from shared.errors import MessageError
+from shared.procs import Topology, kill_group, spawn_child, terminate
+from shared.ring import Ring, check_shm_space, new_run_id, segment_bytes, segment_name, sweep_stale
+from supervisor.coordinator import Coordinator
+from supervisor.monitor import Child, HealthMonitor
+from supervisor.progress import Progress
+from supervisor.resume import read_trained_from_checkpoint
+from supervisor.runplan import RunPlan
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+STATUS_EVERY_S = 1.0
+
+
+@dataclass
+class Outcome:
+    exit_reason: str
+    exit_code: int
+
+
+class Supervisor:
+    """One training run. ``plan`` is the resolved ``RunPlan`` (batch order, ring sizes, target shape)."""
+
+    def __init__(self, cfg: RunConfig, plan: RunPlan):
+        self.cfg = cfg
+        self.plan = plan
+        self.run_dir = Path(cfg.run_dir)
+        self.run_id = cfg.run_id or new_run_id()
+        self.monitor = HealthMonitor(cfg.monitor)
+        self.producers = [Child("producer", i) for i in range(len(cfg.producer.devices))]
+        self.consumers = [Child("consumer", i) for i in range(len(cfg.trainer.devices))]
+        self.rings: list[Ring] = []
+        self.stop_reason = ""
+        self.signals = 0
+        self.started_at = time.monotonic()
+        self.tokens_trained = 0
+        self.last_checkpoint: dict = {}
+        self.consumer_error = ""
+        self.rejected_frames = 0
+        self.coordinator: Coordinator | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def _setup(self) -> None:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.run_dir, 0o700)
+        (self.run_dir / "logs").mkdir(exist_ok=True)
+        removed = sweep_stale()
+        if removed:
+            log.info("sweep removed=%d segments=%s", len(removed), ",".join(removed))
+        self.address = channel.coordinator_address(str(self.run_dir), cfg.tcp)
+        if self.address.startswith("ipc://") and os.path.exists(self.address[6:]):
+            os.unlink(self.address[6:])  # stale socket of a dead run (the pid lock below ensures that)
+        trained: set[int] = set()
+        if cfg.resume:
+            trained = read_trained_from_checkpoint(self.run_dir)
+            log.info("resume trained_batches=%d", len(trained))
+        self.coordinator = Coordinator(self.plan.order, len(self.producers), cfg.ring.num_slots,
+                                       len(self.consumers), trained=trained)
+        n = len(self.producers)
+        check_shm_space(n * segment_bytes(cfg.ring.num_slots, self.plan.slot_bytes), f"{n} rings")
+        for i in range(n):
+            ring = Ring.create(segment_name(self.run_id, f"p{i}"), cfg.ring.num_slots, self.plan.slot_bytes)
+            os.chmod(os.path.join("/dev/shm", ring.name), 0o600)
+            self.rings.append(ring)
+        self.ctx = zmq.Context()
+        self.router = channel.bind_router(self.ctx, self.address)
+        (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        Topology(run_id=self.run_id, address=self.address, rings=[r.name for r in self.rings],
+                 slot_bytes=self.plan.slot_bytes, num_slots=cfg.ring.num_slots,
+                 supervisor_pid=os.getpid()).save(self.run_dir)
+        self.dist_port = _free_port()
+        log.info("start run_id=%s producers=%d consumers=%d planned_batches=%d slot_mib=%.1f address=%s",
+                 self.run_id, n, len(self.consumers), len(self.plan.order), self.plan.slot_bytes / 2**20,
+                 self.address)
+
+    def _spawn(self, child: Child) -> None:
+        module = "producers.main" if child.role == "producer" else "consumer.main"
+        env = {}
+        if child.role == "consumer":
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.dist_port),
+                   "WORLD_SIZE": str(len(self.consumers)), "RANK": str(child.index)}
+        proc = spawn_child(module, str(self.run_dir), child.index, child.generation,
+                           self.run_dir / "logs" / f"{child.name}.log", env=env)
+        self.monitor.started(child, proc)
+        log.info("spawn %s=%d pid=%d generation=%d", child.role, child.index, proc.pid, child.generation)
+
+    # ------------------------------------------------------------------ messages
+    def _child(self, role: str, index: int) -> Child | None:
+        group = self.producers if role == "producer" else self.consumers if role == "consumer" else []
+        return group[index] if isinstance(index, int) and 0 <= index < len(group) else None
+
+    def _send(self, role: str, index: int, msg) -> None:
+        try:
+            channel.send(self.router, msg, to=f"{role}-{index}".encode())
+        except zmq.ZMQError as e:
+            log.warning("send_failed to=%s-%d kind=%s error=%s", role, index, msg.KIND, e)
+
+    def _handle(self, peer: bytes, msg) -> None:
+        co = self.coordinator
+        sender = peer.decode(errors="replace")
+        if isinstance(msg, MessageError):
+            self.rejected_frames += 1
+            log.warning("reject frame peer=%s error=%s", sender, msg)
+            return
+        if isinstance(msg, m.Command):
+            self._command(peer, msg)
+            return
+        role, _, idx = sender.rpartition("-")
+        child = self._child(role, int(idx)) if idx.isdigit() else None
+        if child is None:
+            self.rejected_frames += 1
+            log.warning("reject kind=%s peer=%s reason=unknown_peer", msg.KIND, sender)
+            return
+        gen = getattr(msg, "generation", None)
+        if role == "producer" and gen is not None and gen != child.generation and not isinstance(msg, m.SlotReady):
+            co.rejected["stale_generation"] += 1
+            log.warning("reject kind=%s peer=%s generation=%s current=%d reason=stale_generation",
+                        msg.KIND, sender, gen, child.generation)
+            return
+        if isinstance(msg, m.Hello):
+            if role != msg.role or child.index != msg.index:
+                log.warning("reject hello peer=%s says %s-%s", sender, msg.role, msg.index)
+                return
+            self.monitor.on_hello(child)
+            co.on_hello(role, msg.index, msg.generation)
+            log.info("hello %s=%d pid=%d generation=%d", role, msg.index, msg.pid, msg.generation)
+        elif isinstance(msg, m.Heartbeat):
+            self.monitor.on_heartbeat(child, msg.stats)
+        elif isinstance(msg, m.SlotReady) and role == "producer":
+            if co.on_slot_ready(msg):
+                self.monitor.on_progress(child)
+        elif isinstance(msg, m.BadBatch):
+            co.on_bad_batch(msg, from_consumer=(role == "consumer"))
+            self.monitor.on_progress(child)
+        elif isinstance(msg, m.SlotReleased) and role == "consumer":
+            co.on_slot_released(msg)
+            self.monitor.on_progress(child)
+        elif isinstance(msg, m.Trained) and role == "consumer":
+            co.on_trained(msg)
+            self.monitor.on_progress(child)
+            if msg.consumer == 0:
+                self.tokens_trained += msg.num_tokens * len(self.consumers)
+                self.progress.update(msg.step, msg.loss, co)
+        elif isinstance(msg, m.Checkpointed):
+            self.last_checkpoint = {"step": msg.step, "path": msg.path}
+            log.info("checkpoint step=%d path=%s", msg.step, msg.path)
+        elif isinstance(msg, m.Error):
+            log.error("child_error %s=%d generation=%d fatal=%s message=%s", role, msg.index, msg.generation,
+                      msg.fatal, msg.message)
+            if role == "consumer" and msg.fatal:
+                self.consumer_error = msg.message
+        else:
+            self.rejected_frames += 1
+            log.warning("reject kind=%s peer=%s reason=unexpected_for_role", msg.KIND, sender)
+
+    # ------------------------------------------------------------------ operator commands
+    def status_rows(self) -> list[dict]:
+        rows = []
+        now = time.monotonic()
+        for c in self.producers + self.consumers:
+            row = {"role": c.role, "index": c.index, "pid": c.pid, "generation": c.generation,
+                   "state": c.state, "heartbeat_age_s": round(now - c.last_heartbeat, 1) if c.hello else None,
+                   "tokens_per_s": c.stats.get("tokens_per_s"), "gpu_mem_bytes": c.stats.get("gpu_mem_bytes"),
+                   "restarts": c.restarts}
+            row.update(self.monitor.sample(c))
+            if c.role == "producer" and self.coordinator:
+                row["ring"] = self.coordinator.occupancy(c.index)
+            rows.append(row)
+        return rows
+
+    def _command(self, peer: bytes, cmd: m.Command) -> None:
+        if cmd.action == "status":
+            co = self.coordinator
+            data = {"rows": self.status_rows(), "run_id": self.run_id, "step": self.progress.step,
+                    "trained": len(co.trained), "planned": len(co.order), "loss": co.loss_last}
+            reply = m.Reply(ok=True, text="", data=data)
+        elif cmd.action == "restart" and cmd.role == "producer" and self._child("producer", cmd.index):
+            child = self.producers[cmd.index]
+            if child.alive():
+                child.graceful_restart = True
+                self._send("producer", cmd.index, m.Shutdown(reason="restart requested"))
+                log.info("restart_requested producer=%d generation=%d", cmd.index, child.generation)
+                reply = m.Reply(ok=True, text=f"producer {cmd.index} (generation {child.generation}) is restarting")
+            else:
+                reply = m.Reply(ok=False, text=f"producer {cmd.index} is not running (state {child.state})")
+        elif cmd.action == "stop":
+            self.stop_reason = self.stop_reason or "stop_requested"
+            reply = m.Reply(ok=True, text="stopping: consumers will checkpoint")
+        else:
+            reply = m.Reply(ok=False, text=f"unknown command {cmd.action!r} {cmd.role!r} {cmd.index}")
+        try:
+            channel.send(self.router, reply, to=peer)
+        except zmq.ZMQError:
+            pass
+
+    # ------------------------------------------------------------------ children
+    def _watch(self) -> None:
+        co = self.coordinator
+        now = time.monotonic()
+        for child in self.producers:
+            if child.proc is not None and child.proc.poll() is not None and child.state not in ("backoff", "failed", "exited"):
+                code = child.proc.returncode
+                child.last_exitcode = code
+                graceful = child.graceful_restart
+                old_gen = child.generation
+                child.generation = co.producer_died(child.index)
+                if self.stop_reason:
+                    child.state = "exited"
+                    continue
+                delay = self.monitor.schedule_restart(child)
+                if delay is None:
+                    child.state = "failed"
+                    self.stop_reason = f"producer_{child.index}_restart_limit"
+                    log.error("give_up producer=%d restarts=%d window_s=%g", child.index, len(child.restart_times),
+                              self.cfg.monitor.restart_window_s)
+                    continue
+                log.info("restart producer=%d exitcode=%s generation=%d old_generation=%d backoff_s=%.2f graceful=%s",
+                         child.index, code, child.generation, old_gen, delay, graceful)
+            elif child.state == "backoff" and now >= child.restart_at and not self.stop_reason:
+                self._spawn(child)
+            else:
+                why = self.monitor.hung(child)
+                if why:
+                    log.warning("hang producer=%d pid=%d generation=%d reason=%s action=kill", child.index,
+                                child.pid, child.generation, why)
+                    kill_group(child.proc, signal.SIGKILL)
+                    child.proc.wait()  # reaped before its slots are reused (next pass sees the exit)
+        for child in self.consumers:
+            if child.proc is not None and child.proc.poll() is not None and child.state not in ("exited", "failed"):
+                code = child.proc.returncode
+                child.last_exitcode = code
+                if code == 0 and self.stop_reason:
+                    child.state = "exited"
+                    continue
+                child.state = "failed"
+                if not self.stop_reason or self.stop_reason in ("done",):
+                    self.stop_reason = f"consumer_{child.index}_died"
+                log.error("consumer_died consumer=%d exitcode=%s error=%s; stopping the run (resume with --resume)",
+                          child.index, code, self.consumer_error or "-")
+            else:
+                why = self.monitor.hung(child)
+                if why and not self.stop_reason:
+                    log.error("hang consumer=%d pid=%d reason=%s action=stop_run", child.index, child.pid, why)
+                    kill_group(child.proc, signal.SIGKILL)
+                    child.proc.wait()
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> Outcome:
+        """Run to completion; always cleans up. Returns the exit reason and process exit code."""
+        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.progress = Progress(total_steps=self.plan.total_steps, num_producers=len(self.producers))
+        try:
+            self._setup()
+            for c in self.producers + self.consumers:
+                self._spawn(c)
+            self._loop()
+            self._shutdown()
+        finally:
+            self._cleanup()
+            for s, h in old_handlers.items():
+                signal.signal(s, h)
+            self.progress.close()
+        reason = self.stop_reason or "done"
+        outcome = Outcome(reason, 0 if reason == "done" else 1 if reason != "interrupted" else 130)
+        self._write_summary(outcome)
+        return outcome
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.signals += 1
+        if not self.stop_reason:
+            self.stop_reason = "interrupted"
+        log.warning("signal=%s count=%d action=%s", signal.Signals(signum).name, self.signals,
+                    "graceful_stop" if self.signals == 1 else "hard_stop")
+
+    def _loop(self) -> None:
+        co = self.coordinator
+        next_status = 0.0
+        while not self.stop_reason:
+            got = channel.recv_from(self.router, POLL_S)
+            while got is not None:
+                self._handle(*got)
+                got = channel.recv_from(self.router, 0)
+            for role, index, msg in co.pump():
+                self._send(role, index, msg)
+            self._watch()
+            if co.done:
+                self.stop_reason = "done"
+            now = time.monotonic()
+            if now >= next_status:
+                next_status = now + STATUS_EVERY_S
+                self.progress.refresh(co, self.producers, self.tokens_per_s())
+                self._write_status()
+
+    def tokens_per_s(self) -> float:
+        return self.tokens_trained / max(1e-9, time.monotonic() - self.started_at)
+
+    def _shutdown(self) -> None:
+        """Ask consumers to checkpoint and exit, then stop producers; bounded by shutdown_timeout_s."""
+        deadline = time.monotonic() + self.cfg.monitor.shutdown_timeout_s
+        for c in self.consumers:
+            if c.alive():
+                c.state = "stopping"
+                self._send("consumer", c.index, m.Shutdown(reason=self.stop_reason))
+        while any(c.alive() for c in self.consumers) and time.monotonic() < deadline and self.signals < 2:
+            got = channel.recv_from(self.router, POLL_S)
+            if got is not None:
+                self._handle(*got)
+        for c in self.producers:
+            if c.alive():
+                c.state = "stopping"
+                self._send("producer", c.index, m.Shutdown(reason=self.stop_reason))
+
+    def _cleanup(self) -> None:
+        timeout = 0 if self.signals >= 2 else 5.0
+        for c in self.consumers + self.producers:
+            if c.proc is not None:
+                code = terminate(c.proc, timeout)
+                if c.state not in ("failed",):
+                    c.state = "exited"
+                c.last_exitcode = code
+        for ring in self.rings:
+            ring.close()
+            ring.unlink()
+        if getattr(self, "router", None) is not None:
+            self.router.close(linger=0)
+            self.ctx.term()
+        addr = getattr(self, "address", "")
+        if addr.startswith("ipc://"):
+            try:
+                os.unlink(addr[6:])
+            except FileNotFoundError:
+                pass
+        log.info("cleanup rings=%d socket=%s", len(self.rings), addr)
+
+    def _write_status(self) -> None:
+        p = self.run_dir / "status.json"
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": os.getpid(), "run_id": self.run_id, "rows": self.status_rows()}))
+        os.replace(tmp, p)
+
+    def _write_summary(self, outcome: Outcome) -> None:
+        co = self.coordinator
+        elapsed = time.monotonic() - self.started_at
+        summary = {
+            "exit_reason": outcome.exit_reason,
+            "run_id": self.run_id,
+            "planned_batches": len(co.order) if co else 0,
+            "trained_before_resume": co.trained_before if co else 0,
+            "trained_batches": len(co.trained) if co else 0,
+            "duplicate_batches": co.duplicates if co else 0,
+            "lost_batches": len(co.lost()) if co else 0,
+            "bad_batches": len(co.bad) if co else 0,
+            "restarts": {str(c.index): c.restarts for c in self.producers},
+            "loss_first": co.loss_first if co else None,
+            "loss_last": co.loss_last if co else None,
+            "tokens_per_s": round(self.tokens_per_s(), 1),
+            "elapsed_s": round(elapsed, 2),
+            "rejected_messages": dict(co.rejected) if co else {},
+            "rejected_frames": self.rejected_frames,
+            "last_checkpoint": self.last_checkpoint,
+        }
+        p = self.run_dir / "summary.json"
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=1))
+        os.replace(tmp, p)
+        self.summary = summary
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
