@@ -1,0 +1,151 @@
+"""The coordinator's ledger in-process: exactly once, plan order, fencing, back-pressure, reclaiming."""
+
+import random
+
+import pytest
+
+from shared import messages as m
+from supervisor.coordinator import FREE, READING, READY, WRITING, BatchInfo, Coordinator
+
+
+def order(n, start=0):
+    return [BatchInfo(batch_id=start + i, epoch=0, sample_ids=[i], pad_to=8) for i in range(n)]
+
+
+def ready(lease: m.Lease, producer: int) -> m.SlotReady:
+    return m.SlotReady(producer=producer, generation=lease.generation, slot=lease.slot, batch_id=lease.batch_id,
+                       seq=0, descriptor=[], payload_bytes=0, num_tokens=8)
+
+
+def test_leases_respect_free_slots_and_plan_order():
+    co = Coordinator(order(10), num_producers=2, num_slots=2, num_consumers=1)
+    assert co.pump() == []  # no producer has said hello
+    co.on_hello("producer", 0, 1)
+    out = co.pump()
+    assert [(r, i, msg.batch_id) for r, i, msg in out] == [("producer", 0, 0), ("producer", 0, 1)]
+    assert co.pump() == []  # ring full: back-pressure
+    co.on_hello("producer", 1, 1)
+    assert [msg.batch_id for _, _, msg in co.pump()] == [2, 3]
+    assert co.occupancy(0) == {FREE: 0, WRITING: 2, READY: 0, READING: 0}
+
+
+def test_delivery_waits_for_plan_order_and_round_robins_consumers():
+    co = Coordinator(order(4), num_producers=2, num_slots=2, num_consumers=2)
+    co.on_hello("producer", 0, 1)
+    co.on_hello("producer", 1, 1)
+    leases = {msg.batch_id: (i, msg) for _, i, msg in co.pump()}
+    p, l1 = leases[1]
+    assert co.on_slot_ready(ready(l1, p))
+    assert co.pump() == []  # batch 0 is not ready yet: nothing overtakes it
+    p0, l0 = leases[0]
+    co.on_slot_ready(ready(l0, p0))
+    out = co.pump()
+    assert [(r, i, msg.batch_id) for r, i, msg in out] == [("consumer", 0, 0), ("consumer", 1, 1)]
+
+
+def test_stale_generation_is_rejected_and_death_requeues_writing_slots():
+    co = Coordinator(order(6), num_producers=1, num_slots=3, num_consumers=1)
+    co.on_hello("producer", 0, 1)
+    leases = [msg for _, _, msg in co.pump()]
+    assert [l.batch_id for l in leases] == [0, 1, 2]
+    co.on_slot_ready(ready(leases[0], 0))            # batch 0 published
+    gen = co.producer_died(0)                         # batches 1, 2 were being written
+    assert gen == 2
+    assert co.occupancy(0) == {FREE: 2, WRITING: 0, READY: 1, READING: 0}
+    assert not co.on_slot_ready(ready(leases[1], 0))  # the dead incarnation's late message is fenced
+    assert co.rejected["stale_generation"] == 1
+    out = co.pump()                                   # READY batch 0 still goes to the consumer
+    assert [(r, msg.batch_id) for r, _, msg in out] == [("consumer", 0)]
+    co.on_hello("producer", 0, 1)                     # old generation's hello: ignored
+    assert co.pump() == []
+    co.on_hello("producer", 0, 2)
+    relet = [msg for _, _, msg in co.pump()]
+    assert [l.batch_id for l in relet] == [1, 2] and all(l.generation == 2 for l in relet)
+
+
+def test_unreleased_credit_limits_deliveries():
+    co = Coordinator(order(6), num_producers=1, num_slots=6, num_consumers=1, max_unreleased=2)
+    co.on_hello("producer", 0, 1)
+    for _, _, lease in co.pump():
+        co.on_slot_ready(ready(lease, 0))
+    out = co.pump()
+    assert [msg.batch_id for _, _, msg in out] == [0, 1]
+    first = out[0][2]
+    assert co.on_slot_released(m.SlotReleased(producer=0, generation=1, slot=first.slot, batch_id=0))
+    assert [msg.batch_id for _, _, msg in co.pump()] == [2]
+    # releasing twice is rejected, never double-frees
+    assert not co.on_slot_released(m.SlotReleased(producer=0, generation=1, slot=first.slot, batch_id=0))
+
+
+def test_bad_batch_from_producer_is_skipped_and_counted():
+    co = Coordinator(order(3), num_producers=1, num_slots=3, num_consumers=1)
+    co.on_hello("producer", 0, 1)
+    leases = [msg for _, _, msg in co.pump()]
+    co.on_bad_batch(m.BadBatch(producer=0, generation=1, slot=leases[0].slot, batch_id=0, reason="nan"),
+                    from_consumer=False)
+    co.on_slot_ready(ready(leases[1], 0))
+    assert [msg.batch_id for _, _, msg in co.pump() if isinstance(msg, m.SlotReady)] == [1]
+    assert co.bad == {0: "nan"}
+
+
+def test_resume_skips_trained_batches():
+    co = Coordinator(order(5), num_producers=1, num_slots=5, num_consumers=1, trained={0, 1, 3})
+    co.on_hello("producer", 0, 1)
+    assert [msg.batch_id for _, _, msg in co.pump()] == [2, 4]
+    assert co.trained_before == 3
+
+
+def test_duplicate_batch_ids_refused():
+    with pytest.raises(ValueError, match="duplicate"):
+        Coordinator(order(3) + order(1), num_producers=1, num_slots=2, num_consumers=1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_deaths_keep_exactly_once_and_order(seed):
+    """Simulated run: producers die at random; every batch is trained exactly once, in plan order per rank."""
+    rng = random.Random(seed)
+    n_batches, n_prod, n_cons = 60, 3, 2
+    co = Coordinator(order(n_batches), num_producers=n_prod, num_slots=2, num_consumers=n_cons)
+    alive = {p: True for p in range(n_prod)}
+    gens = {p: 1 for p in range(n_prod)}
+    for p in range(n_prod):
+        co.on_hello("producer", p, 1)
+    writing: list[tuple[int, m.Lease]] = []
+    per_consumer: dict[int, list[int]] = {c: [] for c in range(n_cons)}
+    held: list[m.SlotReady] = []
+    step = 0
+    for _ in range(5000):
+        for role, idx, msg in co.pump():
+            if role == "producer":
+                writing.append((idx, msg))
+            else:
+                per_consumer[idx].append(msg.batch_id)
+                held.append(msg)
+        r = rng.random()
+        if r < 0.45 and writing:
+            p, lease = writing.pop(rng.randrange(len(writing)))
+            co.on_slot_ready(ready(lease, p))  # may be stale: fenced
+        elif r < 0.8 and held:
+            msg = held.pop(0)
+            co.on_slot_released(m.SlotReleased(producer=msg.producer, generation=msg.generation, slot=msg.slot,
+                                               batch_id=msg.batch_id))
+            step += 1
+            co.on_trained(m.Trained(consumer=0, step=step, batch_ids=[msg.batch_id], loss=1.0, num_tokens=8))
+        elif r < 0.85:
+            p = rng.randrange(n_prod)
+            if alive[p]:
+                alive[p] = False
+                gens[p] = co.producer_died(p)
+        else:
+            for p in range(n_prod):
+                if not alive[p]:
+                    alive[p] = True
+                    co.on_hello("producer", p, gens[p])
+        if co.done:
+            break
+    assert co.done, f"seed {seed}: run did not finish"
+    assert co.duplicates == 0 and co.lost() == []
+    delivered = sorted(b for v in per_consumer.values() for b in v)
+    assert delivered == list(range(n_batches))
+    for c, got in per_consumer.items():
+        assert got == list(range(c, n_batches, n_cons)), f"consumer {c} got {got}"
