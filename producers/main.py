@@ -1,0 +1,199 @@
+"""The producer process: ``python -m producers.main --run-dir R --index I --generation G``.
+
+One process per target replica, started by the supervisor (``shared.procs.spawn_child``). It attaches to
+ring ``topology.rings[I]`` (pinning it where CUDA is used), opens the dataset ``config.data.data``, loads
+the target on ``config.producer.devices[I]`` and then serves the coordinator over its DEALER socket:
+
+* ``Lease`` for this generation: collate the samples (right padding to ``pad_to`` with the dataset's pad
+  id, else the target config's ``pad_token_id``, else 0), run the batch through ``Producer`` and answer
+  ``SlotReady`` or ``BadBatch``. A lease that cannot be served (sample id out of range, a sample longer than
+  ``pad_to``, a slot out of range) is answered with ``BadBatch`` naming the problem. One batch may stay in
+  flight: when the next lease is already waiting, it is submitted before the previous batch's copy is
+  awaited, so the device-to-host copy overlaps the next forward. Every ``SlotReady`` still follows its own
+  completed copy (see ``producers.producer``).
+* ``Lease`` for another generation: logged and ignored (it belongs to a dead incarnation).
+* ``Shutdown``: finish the batch in flight, then exit 0. SIGTERM/SIGINT do the same.
+* Undecodable frames and unexpected message kinds are logged and skipped.
+
+A ``Heartbeat`` goes out every ``monitor.heartbeat_interval_s`` with ``stats``: ``tokens_per_s`` (real
+tokens published over the last ~10 s), ``batches``, ``bad_batches``, ``tokens``, ``gpu_mem_bytes`` and
+``gpu_mem_reserved_bytes`` (0 without CUDA), ``current_batch`` (-1 when idle).
+
+Environment (tests and chaos drills only): ``SPECRING_SLOW_WRITE_S=<seconds>`` sleeps between writing a
+slot and publishing it, so a test can SIGKILL a producer whose slot is WRITING;
+``SPECRING_INJECT_NONFINITE=<batch_id,...>`` puts a NaN into those batches' hidden states.
+
+The ring is closed (unpinned, unmapped) on exit and never unlinked: the supervisor owns it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import sys
+import time
+
+import torch
+
+from shared import channel, messages
+from shared.data import TokenDataset, collate
+from shared.errors import ConfigError, MessageError, SlotError
+from shared.procs import ChildContext, child_main
+from shared.ring import Ring
+from producers.producer import Pending, Producer
+from producers.target import resolve_device
+
+log = logging.getLogger(__name__)
+
+SLOW_WRITE_ENV = "SPECRING_SLOW_WRITE_S"
+RATE_WINDOW_S = 10.0
+
+
+def slow_write_from_env() -> float:
+    """``$SPECRING_SLOW_WRITE_S`` as seconds (0 when unset); ``ConfigError`` naming the variable if not a number >= 0."""
+    text = os.environ.get(SLOW_WRITE_ENV, "").strip()
+    if not text:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{SLOW_WRITE_ENV}={text!r} is not a number of seconds") from None
+    if value < 0:
+        raise ConfigError(f"{SLOW_WRITE_ENV}={text!r} must be >= 0")
+    return value
+
+
+def pick_pad_id(ds: TokenDataset, hf_config) -> int:
+    """The pad id for collation: dataset sidecar's (the tokenizer's), else the target config's, else 0."""
+    for value in (getattr(ds, "pad_id", None), getattr(hf_config, "pad_token_id", None)):
+        if isinstance(value, int) and value >= 0:
+            return value
+    return 0
+
+
+class ProducerLoop:
+    """The DEALER loop around a ``Producer`` (kept apart from ``body`` so each step reads on its own)."""
+
+    def __init__(self, ctx: ChildContext, producer: Producer, ds: TokenDataset, pad_id: int):
+        self.ctx = ctx
+        self.producer = producer
+        self.ds = ds
+        self.pad_id = pad_id
+        self.hb_interval_s = ctx.config.monitor.heartbeat_interval_s
+        self.next_hb = 0.0
+        self.rate_samples: collections.deque = collections.deque()
+        self.pending: Pending | None = None
+        self.seq = 0                       # per-ring publication counter of this incarnation
+
+    # ---------------------------------------------------------------------------------------- messages
+    def run(self) -> None:
+        while not self.ctx.stopping:
+            timeout_s = 0.0 if self.pending is not None else min(0.2, self.hb_interval_s)
+            msg = channel.recv(self.ctx.sock, timeout_s=timeout_s)
+            if msg is None:
+                self.finish_pending()
+            elif isinstance(msg, messages.Lease):
+                self.on_lease(msg)
+            elif isinstance(msg, messages.Shutdown):
+                self.ctx.stop_reason = f"shutdown ({msg.reason})"
+            elif isinstance(msg, MessageError):
+                log.warning("bad_message error=%r", str(msg))
+            else:
+                log.warning("unexpected_message kind=%s", getattr(msg, "KIND", type(msg).__name__))
+            self.maybe_heartbeat()
+        self.finish_pending()
+        self.heartbeat()
+
+    def on_lease(self, lease: messages.Lease) -> None:
+        if lease.generation != self.ctx.generation:
+            log.warning("ignore_lease batch_id=%d lease_generation=%d my_generation=%d",
+                        lease.batch_id, lease.generation, self.ctx.generation)
+            return
+        try:
+            ids, am, lm, lengths = collate(self.ds, lease.sample_ids, lease.pad_to, self.pad_id)
+            batch = {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "lengths": lengths,
+                     "batch_id": lease.batch_id}
+            new = self.producer.submit(batch, lease.slot, self.seq)
+            self.seq += 1
+        except (ValueError, IndexError, SlotError) as e:
+            self.finish_pending()
+            reason = f"lease for batch {lease.batch_id} cannot be served: {type(e).__name__}: {e}"
+            log.error("bad_lease batch_id=%d slot=%d reason=%r", lease.batch_id, lease.slot, reason)
+            self.producer.stats.bad_batches += 1
+            self.ctx.send(messages.BadBatch(producer=self.ctx.index, generation=self.ctx.generation,
+                                            slot=lease.slot, batch_id=lease.batch_id, reason=reason[:2000]))
+            return
+        self.finish_pending()  # the previous batch's copy overlapped this forward
+        self.pending = new
+
+    def finish_pending(self) -> None:
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        msg = self.producer.complete(pending)
+        self.ctx.send(msg)
+        if isinstance(msg, messages.SlotReady):
+            log.debug("published batch_id=%d slot=%d tokens=%d", msg.batch_id, msg.slot, msg.num_tokens)
+
+    # ---------------------------------------------------------------------------------------- heartbeat
+    def maybe_heartbeat(self) -> None:
+        if time.monotonic() >= self.next_hb:
+            self.heartbeat()
+
+    def heartbeat(self) -> None:
+        now = time.monotonic()
+        self.next_hb = now + self.hb_interval_s
+        st = self.producer.stats
+        self.rate_samples.append((now, st.tokens))
+        while len(self.rate_samples) > 2 and now - self.rate_samples[1][0] >= RATE_WINDOW_S:
+            self.rate_samples.popleft()
+        t0, n0 = self.rate_samples[0]
+        rate = (st.tokens - n0) / (now - t0) if now > t0 else 0.0
+        dev = self.producer.device
+        cuda = dev.type == "cuda"
+        stats = {"tokens_per_s": float(rate), "batches": st.batches, "bad_batches": st.bad_batches,
+                 "tokens": st.tokens,
+                 "gpu_mem_bytes": int(torch.cuda.memory_allocated(dev)) if cuda else 0,
+                 "gpu_mem_reserved_bytes": int(torch.cuda.memory_reserved(dev)) if cuda else 0,
+                 "current_batch": int(self.producer.current_batch)}
+        self.ctx.send(messages.Heartbeat(role="producer", index=self.ctx.index, generation=self.ctx.generation,
+                                         pid=os.getpid(), stats=stats))
+
+
+def body(ctx: ChildContext) -> None:
+    """Attach the ring, open the data, load the target, then serve leases until told to stop."""
+    cfg = ctx.config
+    if not 0 <= ctx.index < len(ctx.topology.rings):
+        raise ConfigError(f"producer index {ctx.index} has no ring: topology lists {len(ctx.topology.rings)}")
+    if not 0 <= ctx.index < len(cfg.producer.devices):
+        raise ConfigError(f"producer index {ctx.index} has no device: producer.devices is {cfg.producer.devices}")
+    slow_write_s = slow_write_from_env()
+    device = resolve_device(cfg.producer.devices[ctx.index])
+    ring = Ring.attach(ctx.topology.rings[ctx.index])
+    try:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            ring.pin()
+        ds = TokenDataset(cfg.data.data)
+        try:
+            from transformers.utils import logging as hf_logging
+            hf_logging.disable_progress_bar()
+        except ImportError:
+            pass
+        producer = Producer.from_config(cfg.producer, ctx.index, ring, ctx.generation,
+                                        checksum=cfg.ring.checksum, slow_write_s=slow_write_s)
+        pad_id = pick_pad_id(ds, producer.hf_config)
+        log.info("serving ring=%s slots=%d slot_bytes=%d pinned=%s data=%s samples=%d pad_id=%d",
+                 ring.name, ring.num_slots, ring.slot_bytes, ring.pinned, cfg.data.data, len(ds), pad_id)
+        ProducerLoop(ctx, producer, ds, pad_id).run()
+    finally:
+        ring.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return child_main("producer", __doc__, body, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

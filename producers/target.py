@@ -1,0 +1,316 @@
+"""The target model: loading a Hugging Face causal LM, choosing the captured layers, and capturing them.
+
+Layer ids follow the DFlash convention (z-lab/dflash, ``build_target_layer_ids`` and its use of
+``output_hidden_states``): id ``i`` is the output of decoder layer ``i`` (0-based), which is Hugging Face's
+``hidden_states[i + 1]`` (``hidden_states[0]`` is the embedding output). One exception is inherited from
+Hugging Face: ``hidden_states[L]`` (id ``L - 1``) is the *final-normed* output of the last layer, so
+``LayerCapture`` captures the output of the model's final norm for id ``L - 1`` and the raw residual stream
+for every other id. Captured tensors therefore equal ``hidden_states[i + 1]`` for every id in ``[0, L)``.
+
+Capture uses forward hooks on the chosen decoder layers only (not ``output_hidden_states=True``, which
+keeps every layer alive), and the caller runs the *base* model (``model.model`` for Qwen/Llama: no LM head,
+no logits over the sequence). With ``stop_after_last=True`` the hook of the deepest captured layer raises
+``StopForward`` so the layers above it are not computed at all (the early-exit trick of baukit's
+``Trace(stop=True)``, davidbau/baukit ``baukit/nethook.py``).
+
+Errors: every start-up problem (bad layer ids, a missing or non-causal-LM checkpoint, a device that does
+not exist) raises ``shared.errors.ConfigError`` with a message that names the id, path or device.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from shared.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ------------------------------------------------------------------------------------------------ layer ids
+def default_target_layer_ids(num_layers: int, n: int) -> list[int]:
+    """The DFlash default: ``n`` layer ids spread evenly from 1 to ``num_layers - 3``.
+
+    ``n == 1`` gives ``[num_layers // 2]``; otherwise ``round(1 + k * (L - 4) / (n - 1))`` for
+    ``k = 0 .. n-1`` with Python's ``round`` (as in z-lab/dflash ``build_target_layer_ids``). Qwen3-8B
+    (``L = 36``) with ``n = 5`` gives ``[1, 9, 17, 25, 33]``. The result is not validated here (a very
+    shallow model can give duplicates); ``resolve_layer_ids`` does that.
+
+    Raises ``ConfigError`` if ``num_layers < 1`` or ``n < 1``.
+    """
+    if num_layers < 1:
+        raise ConfigError(f"num_layers must be >= 1, got {num_layers}")
+    if n < 1:
+        raise ConfigError(f"num_target_layers must be >= 1, got {n}")
+    if n == 1:
+        return [num_layers // 2]
+    span = num_layers - 4
+    return [int(round(1 + k * span / (n - 1))) for k in range(n)]
+
+
+def resolve_layer_ids(num_layers: int, ids: Sequence[int] | None, n: int) -> list[int]:
+    """The layer ids to capture: ``ids`` when given, else ``default_target_layer_ids(num_layers, n)``.
+
+    Order is kept (it is the order of the ``n·H`` feature blocks in a slot). Raises ``ConfigError`` naming
+    the offending ids when any is outside ``[0, num_layers)`` or repeated.
+    """
+    chosen = [int(i) for i in ids] if ids is not None else default_target_layer_ids(num_layers, n)
+    where = "target_layer_ids" if ids is not None else f"default target layer ids for n={n}"
+    if not chosen:
+        raise ConfigError(f"{where}: no layer ids")
+    bad = [i for i in chosen if not 0 <= i < num_layers]
+    if bad:
+        raise ConfigError(f"{where}: layer ids {bad} are outside [0, {num_layers}) for a target with "
+                          f"{num_layers} decoder layers (got {chosen})")
+    dup = sorted({i for i in chosen if chosen.count(i) > 1})
+    if dup:
+        raise ConfigError(f"{where}: duplicate layer ids {dup} (got {chosen}); "
+                          f"choose fewer layers or name them with target_layer_ids")
+    return chosen
+
+
+# ------------------------------------------------------------------------------------------------ devices
+_DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+
+
+def resolve_device(spec: str | torch.device) -> torch.device:
+    """Validate a device string (``"cpu"``, ``"cuda"``, ``"cuda:N"``) against this machine.
+
+    Raises ``ConfigError`` naming the device for an unknown kind, CUDA requested where there is none, or an
+    index past ``torch.cuda.device_count()``. ``"cuda"`` resolves to ``cuda:0``.
+    """
+    text = str(spec).strip()
+    m = _DEVICE_RE.match(text)
+    if not m:
+        raise ConfigError(f"device {text!r} is not understood: use cpu, cuda or cuda:N")
+    kind, index = m.group(1), m.group(2)
+    if kind == "cpu":
+        if index not in (None, "0"):
+            raise ConfigError(f"device {text!r}: cpu takes no index")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {text!r} does not exist: CUDA is not available on this machine")
+    count = torch.cuda.device_count()
+    idx = int(index) if index is not None else 0
+    if idx >= count:
+        raise ConfigError(f"device {text!r} does not exist: this machine has {count} CUDA device(s) "
+                          f"(cuda:0..cuda:{count - 1})")
+    return torch.device("cuda", idx)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """``"auto"`` is bfloat16 on CUDA and float32 on CPU; otherwise the named dtype (``ConfigError`` if unknown)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def _check_checkpoint(path: Path):
+    """Return the checkpoint's ``PretrainedConfig`` after checking that it is a local causal-LM checkpoint."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not path.exists():
+        raise ConfigError(f"target checkpoint directory {str(path)!r} does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"target {str(path)!r} is not a directory (expected a Hugging Face checkpoint directory)")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"target {str(path)!r} has no config.json: not a Hugging Face checkpoint")
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"target {str(path)!r}: config.json cannot be read: {e}") from None
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"target {str(path)!r} is not a causal language model: model_type {model_type!r} "
+                          f"has no AutoModelForCausalLM class")
+    archs = raw.get("architectures") or []
+    causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if archs and not any(a in causal_names or a.endswith("ForCausalLM") for a in archs):
+        raise ConfigError(f"target {str(path)!r} is not a causal language model: its architectures are "
+                          f"{archs} (expected a *ForCausalLM class such as "
+                          f"{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]})")
+    if not any(path.glob("*.safetensors")):
+        raise ConfigError(f"target {str(path)!r} has no *.safetensors weights")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # transformers raises many types for a broken config
+        raise ConfigError(f"target {str(path)!r}: config.json is not a valid {model_type} config: "
+                          f"{type(e).__name__}: {e}") from None
+
+
+def load_target(path: str | Path, device: str | torch.device, dtype: str | torch.dtype = "auto"):
+    """Load a local Hugging Face causal LM for inference; returns ``(model, hf_config)``.
+
+    ``model`` is an ``AutoModelForCausalLM`` in eval mode with gradients off, on ``device`` in ``dtype``
+    (``"auto"``: bfloat16 on CUDA, float32 on CPU), loaded from safetensors only, never from the network.
+
+    Raises ``ConfigError`` naming the problem: a missing directory, no ``config.json``, a checkpoint that is
+    not a causal LM, no safetensors weights, weights that fail to load, a device that does not exist, or a
+    model whose decoder layers cannot be found.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import is_accelerate_available
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    p = Path(path).expanduser()
+    hf_config = _check_checkpoint(p)
+    kwargs = dict(dtype=torch_dtype, local_files_only=True, use_safetensors=True)
+    direct = dev.type == "cuda" and is_accelerate_available()
+    if direct:
+        kwargs["device_map"] = str(dev)  # weights go straight to the GPU (no full copy in host memory)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+    except Exception as e:
+        raise ConfigError(f"target {str(p)!r} failed to load as a causal LM: {type(e).__name__}: {e}") from None
+    if not direct:
+        model = model.to(dev)
+    model.eval()
+    model.requires_grad_(False)
+    decoder_layers(model)  # fail now, not at the first batch, if the layers cannot be found
+    log.info("target loaded path=%s device=%s dtype=%s layers=%d hidden=%d", p, dev, torch_dtype,
+             num_decoder_layers(model), hidden_size(model))
+    return model, hf_config
+
+
+# ------------------------------------------------------------------------------------------------ structure
+def base_model(model: nn.Module) -> nn.Module:
+    """The decoder stack without the LM head (``model.model`` for Qwen/Llama; ``model`` if it has no head)."""
+    prefix = getattr(model, "base_model_prefix", "")
+    return getattr(model, prefix, model) if prefix else model
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of decoder layers (``layers``, ``h``, ``blocks`` or ``decoder.layers`` of the base).
+
+    Raises ``ConfigError`` naming the model class when none is found.
+    """
+    base = base_model(model)
+    for owner in (base, getattr(base, "decoder", None), model):
+        if owner is None:
+            continue
+        for name in ("layers", "h", "blocks"):
+            layers = getattr(owner, name, None)
+            if isinstance(layers, nn.ModuleList) and len(layers):
+                return layers
+    raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} "
+                      f"(looked for layers/h/blocks on its base model)")
+
+
+def final_norm(model: nn.Module) -> nn.Module | None:
+    """The norm applied after the last decoder layer (``norm``, ``final_layernorm`` or ``ln_f``), if any."""
+    base = base_model(model)
+    for owner in (base, getattr(base, "decoder", None)):
+        for name in ("norm", "final_layernorm", "ln_f"):
+            mod = getattr(owner, name, None) if owner is not None else None
+            if isinstance(mod, nn.Module):
+                return mod
+    return None
+
+
+def num_decoder_layers(model: nn.Module) -> int:
+    return len(decoder_layers(model))
+
+
+def hidden_size(model: nn.Module) -> int:
+    """Width ``H`` of the residual stream (``config.hidden_size``)."""
+    cfg = getattr(model, "config", None)
+    h = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None)
+    if not h:
+        raise ConfigError(f"cannot tell the hidden size of {type(model).__name__} from its config")
+    return int(h)
+
+
+# ------------------------------------------------------------------------------------------------ capture
+class StopForward(Exception):
+    """Raised by ``LayerCapture`` after the deepest captured layer when ``stop_after_last`` is set."""
+
+
+class LayerCapture:
+    """Forward hooks that keep the outputs of the chosen decoder layers during one forward.
+
+    Use as a context manager around a forward of ``base_model(model)``::
+
+        with LayerCapture(model, [1, 3, 5], stop_after_last=True) as cap:
+            cap.token_index = idx          # optional: flat indices of the real tokens, [T] int64 on the device
+            try:
+                base_model(model)(input_ids=ids, attention_mask=am, use_cache=False)
+            except StopForward:
+                pass
+            parts = cap.outputs()          # one tensor per id, in the order of layer_ids
+
+    Each captured output is ``[B, S, H]`` (``token_index`` is None) or ``[T, H]`` gathered from the flat
+    ``[B*S, H]`` view with ``token_index`` inside the hook, so later layers cannot change it and the full
+    ``[B, S, H]`` tensor is not kept alive. Id ``L - 1`` captures the final norm's output (see the module
+    docstring). Hooks are removed on exit, even when the forward raised.
+
+    Raises ``ConfigError`` for ids that ``resolve_layer_ids`` rejects, or for id ``L - 1`` on a model
+    without a recognisable final norm.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], stop_after_last: bool = False):
+        self.layers = decoder_layers(model)
+        self.layer_ids = resolve_layer_ids(len(self.layers), list(layer_ids), len(layer_ids))
+        self.stop_after_last = stop_after_last
+        self.token_index: torch.Tensor | None = None
+        self._out: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+        last = len(self.layers) - 1
+        self._modules: dict[int, nn.Module] = {}
+        for i in self.layer_ids:
+            if i == last:
+                norm = final_norm(model)
+                if norm is None:
+                    raise ConfigError(f"layer id {last} (the last layer) needs the model's final norm, and "
+                                      f"{type(model).__name__} has none that specring recognises")
+                self._modules[i] = norm
+            else:
+                self._modules[i] = self.layers[i]
+
+    def _hook(self, layer_id: int, stop: bool) -> Callable:
+        def hook(_module, _inputs, output):
+            h = output[0] if isinstance(output, (tuple, list)) else output
+            if self.token_index is not None:
+                h = h.reshape(-1, h.shape[-1]).index_select(0, self.token_index)
+            self._out[layer_id] = h
+            if stop:
+                raise StopForward(layer_id)
+        return hook
+
+    def __enter__(self) -> "LayerCapture":
+        self._out.clear()
+        deepest = max(self.layer_ids)
+        for i, mod in self._modules.items():
+            stop = self.stop_after_last and i == deepest
+            self._handles.append(mod.register_forward_hook(self._hook(i, stop)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def outputs(self) -> list[torch.Tensor]:
+        """The captured tensors in ``layer_ids`` order; raises ``RuntimeError`` naming any id not reached."""
+        missing = [i for i in self.layer_ids if i not in self._out]
+        if missing:
+            raise RuntimeError(f"layer ids {missing} were not captured (did the forward run?)")
+        return [self._out[i] for i in self.layer_ids]
+
+    def clear(self) -> None:
+        """Drop references to the captured tensors."""
+        self._out.clear()
