@@ -270,11 +270,11 @@ class Encoder:
 
     def encode_task(self, task: Task) -> ChunkResult:
         """All samples of a task, in order; bad rows are counted and listed, never raised."""
-        out_ids, out_mask, lens, files, rows = [], [], [], [], []
-        counts: collections.Counter = collections.Counter()
-        bad = []
         if task.fmt == "doc":
             return self._encode_docs(task)
+        out_ids, out_mask, lens, files, rows = [], [], [], [], []
+        counts: collections.Counter = collections.Counter()
+        bad: list[tuple[str, int, str, str]] = []
         for loc, raw in zip(task.locations, task.payload):
             try:
                 rec = raw
@@ -609,7 +609,7 @@ def prepare_files(inputs: list[str], output: Path, *, tokenizer: Path, max_lengt
     files = expand_inputs(inputs)
     tok = load_tokenizer(tokenizer)
     cfg = EncoderConfig(str(tokenizer), max_length, overlong, vocab_size_of(tokenizer, tok), chat_template)
-    runner = Runner(cfg, min(workers, max(1, len(files) * 64)))
+    runner = Runner(cfg, workers)
     try:
         return write_dataset(runner, _tasks(files), output, inputs=[str(p) for p in files],
                              total_rows=_count_rows(files) if progress else 0, strict=strict,
@@ -655,12 +655,15 @@ def is_heldout(rel_path: str) -> bool:
 
 
 def build_demo(out_dir: Path, *, tokenizer: Path = DEFAULT_TOKENIZER, max_length: int = DEMO_MAX_LENGTH,
-               workers: int = 2, progress: bool = True) -> tuple[Path, Path]:
+               workers: int = 1, progress: bool = True) -> tuple[Path, Path]:
     """Write ``out_dir/train.arrow`` and ``out_dir/heldout.arrow`` (+ sidecars) from the stdlib corpus.
 
     Each file is tokenized, an EOS token appended, and cut into ``ceil(n / max_length)`` near-equal
     samples (loss on every token); ``source_file`` indexes the sidecar's ``inputs`` (relative paths) and
     ``source_row`` is the piece number within the file. Returns ``(train_path, heldout_path)``.
+
+    ``workers=1`` is the fast choice here: whole files go to the tokenizer's batch encoder, which is already
+    multi-threaded in Rust, while worker processes pay a few seconds each to import ``transformers``.
     """
     root, docs, undecodable = stdlib_files()
     tok = load_tokenizer(tokenizer)
@@ -718,7 +721,7 @@ def ensure_demo(repo_root: str | Path = REPO_ROOT) -> tuple[Path, Path]:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not ready():
             logger.info("building the demo corpus in %s", out_dir)
-            build_demo(out_dir, workers=min(4, os.cpu_count() or 1), progress=False)
+            build_demo(out_dir, workers=1, progress=False)
     return train, heldout
 
 
@@ -737,7 +740,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overlong", choices=("truncate", "drop"), default="truncate",
                    help="what to do with samples longer than --max-length")
     p.add_argument("--strict", action="store_true", help="stop with an error at the first bad row")
-    p.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1), help="tokenizer processes")
+    p.add_argument("--workers", type=int, default=None,
+                   help="tokenizer processes, 1 = in this process (default: min(8, CPUs); 1 for --demo, whose "
+                        "whole-file batches the Rust tokenizer already spreads over threads)")
     p.add_argument("--chat-template", help="a Jinja chat template file to use instead of the tokenizer's")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--demo", action="store_true", help="build the stdlib demo corpus (train + held-out)")
@@ -751,12 +756,12 @@ def main(argv: list[str]) -> int:
     try:
         if args.max_length is not None and args.max_length < 1:
             raise ConfigError(f"--max-length must be >= 1, got {args.max_length}")
-        if args.workers < 1:
+        if args.workers is not None and args.workers < 1:
             raise ConfigError(f"--workers must be >= 1, got {args.workers}")
         t0 = time.perf_counter()
         if args.demo:
             train, heldout = build_demo(Path(args.demo_dir), tokenizer=Path(args.tokenizer),
-                                        max_length=args.max_length or DEMO_MAX_LENGTH, workers=args.workers,
+                                        max_length=args.max_length or DEMO_MAX_LENGTH, workers=args.workers or 1,
                                         progress=not args.no_progress)
             print(plan_summary(train))
             print(f"prepare --demo took {time.perf_counter() - t0:.1f} s")
@@ -769,7 +774,8 @@ def main(argv: list[str]) -> int:
         template = Path(args.chat_template).read_text() if args.chat_template else None
         output = Path(args.output)
         side = prepare_files(inputs, output, tokenizer=Path(args.tokenizer), max_length=args.max_length or 2048,
-                             overlong=args.overlong, strict=args.strict, workers=args.workers,
+                             overlong=args.overlong, strict=args.strict,
+                             workers=args.workers or min(8, os.cpu_count() or 1),
                              progress=not args.no_progress, chat_template=template)
         print(report(side, output))
         print(plan_summary(output))
