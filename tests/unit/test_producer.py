@@ -1,0 +1,241 @@
+"""Unit tests of producers/producer.py: the Producer stepped in-process (no sockets, no child processes).
+
+Each test writes into a real ring segment created in /dev/shm by this process and removed in the
+fixture's teardown. References are plain Hugging Face forwards of each sequence alone
+(``output_hidden_states``), compared per layer with ``hidden_states[id + 1]``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from producers.producer import INJECT_ENV, Producer, parse_batch_ids
+from producers.target import load_target
+from shared import layout, messages, ring
+from shared.config import DEFAULT_TARGET, ProducerConfig
+from shared.errors import ConfigError
+from shared.ring import EMPTY, PUBLISHED, Ring
+
+H = 256
+PAD = 3
+# fp32 on CPU: padding changes the attention's reduction order, so equal up to rounding (|h| ~ 1..30)
+ATOL, RTOL = 1e-4, 1e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+    m, _ = load_target(DEFAULT_TARGET, "cpu")
+    return m
+
+
+@pytest.fixture
+def slot_ring():
+    r = Ring.create(ring.segment_name(ring.new_run_id(), "ut"), num_slots=3, slot_bytes=1 << 21)
+    try:
+        yield r
+    finally:
+        r.close()
+        r.unlink()
+    assert not os.path.exists(os.path.join(ring.SHM_DIR, r.name))
+
+
+def sequences(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(4, 8192, (n,), generator=g) for n in lengths]
+
+
+def make_batch(seqs, pad_to, batch_id, loss_seed=1):
+    """Right-padded batch in the shape of shared.data.collate's output, plus the batch id."""
+    b = len(seqs)
+    g = torch.Generator().manual_seed(loss_seed)
+    ids = torch.full((b, pad_to), PAD, dtype=torch.int64)
+    am = torch.zeros((b, pad_to), dtype=torch.int64)
+    lm = torch.zeros((b, pad_to), dtype=torch.uint8)
+    for r, s in enumerate(seqs):
+        ids[r, :len(s)] = s
+        am[r, :len(s)] = 1
+        lm[r, :len(s)] = torch.randint(0, 2, (len(s),), generator=g, dtype=torch.uint8)
+    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm,
+            "lengths": torch.tensor([len(s) for s in seqs]), "batch_id": batch_id}
+
+
+def reference(model, seq, layer_ids):
+    """[len(seq), n*H]: hidden_states[id+1] of a plain forward of ``seq`` alone, concatenated."""
+    with torch.inference_mode():
+        hs = model.model(input_ids=seq[None], output_hidden_states=True, use_cache=False).hidden_states
+    return torch.cat([hs[i + 1][0] for i in layer_ids], dim=1)
+
+
+def read_slot(r: Ring, msg: messages.SlotReady) -> dict:
+    return {k: v.clone() for k, v in layout.read_tensors(r.payload(msg.slot), msg.descriptor).items()}
+
+
+# ------------------------------------------------------------------------------------------ correctness
+@pytest.mark.parametrize("layer_ids", [[1, 2, 3, 4, 5], [7, 0], [6]])
+def test_padded_batch_slot_matches_plain_forward_of_each_sequence(model, slot_ring, layer_ids):
+    seqs = sequences([5, 17, 11, 1])
+    batch = make_batch(seqs, pad_to=24, batch_id=42)
+    p = Producer(model, layer_ids, slot_ring, generation=3, device="cpu", index=1)
+    msg = p.run_batch(batch, slot=2, seq=9)
+
+    assert isinstance(msg, messages.SlotReady)
+    assert (msg.producer, msg.generation, msg.slot, msg.batch_id, msg.seq) == (1, 3, 2, 42, 9)
+    assert msg.num_tokens == 34 and msg.checksum == 0
+    h = slot_ring.header(2)
+    assert (h.state, h.generation, h.batch_id, h.seq, h.payload_len) == (PUBLISHED, 3, 42, 9, msg.payload_bytes)
+    assert msg.payload_bytes == p.payload_bytes(34, 4)
+
+    t = read_slot(slot_ring, msg)
+    assert [d[0] for d in msg.descriptor] == ["hidden", "input_ids", "loss_mask", "cu_seqlens", "batch_id",
+                                              "layer_ids"]
+    n = len(layer_ids)
+    assert t["hidden"].dtype == torch.float32 and t["hidden"].shape == (34, n * H)
+    assert t["input_ids"].dtype == torch.int32 and t["loss_mask"].dtype == torch.uint8
+    assert t["cu_seqlens"].tolist() == [0, 5, 22, 33, 34]
+    assert t["batch_id"].tolist() == [42] and t["layer_ids"].tolist() == layer_ids
+    cu = t["cu_seqlens"].tolist()
+    for b, s in enumerate(seqs):
+        rows = slice(cu[b], cu[b + 1])
+        assert torch.equal(t["input_ids"][rows], s.to(torch.int32))
+        assert torch.equal(t["loss_mask"][rows], batch["loss_mask"][b, :len(s)])
+        ref = reference(model, s, layer_ids)
+        for k, lid in enumerate(layer_ids):
+            torch.testing.assert_close(t["hidden"][rows, k * H:(k + 1) * H], ref[:, k * H:(k + 1) * H],
+                                       atol=ATOL, rtol=RTOL, msg=f"sequence {b} layer {lid}")
+
+
+def test_same_sample_same_states_in_any_batch_and_any_run(model, slot_ring):
+    ids = [1, 4, 6]
+    s = sequences([13], seed=7)[0]
+    others = sequences([3, 30, 8], seed=8)
+    p = Producer(model, ids, slot_ring, generation=1, device="cpu")
+
+    def states_of_s(batch, row):
+        msg = p.run_batch(batch, slot=0, seq=0)
+        t = read_slot(slot_ring, msg)
+        cu = t["cu_seqlens"].tolist()
+        return t["hidden"][cu[row]:cu[row + 1]]
+
+    alone = states_of_s(make_batch([s], 13, 1), 0)
+    short_batch = states_of_s(make_batch([others[0], s], 16, 2), 1)
+    long_batch = states_of_s(make_batch([others[1], others[2], s], 40, 3), 2)
+    again = states_of_s(make_batch([others[1], others[2], s], 40, 4), 2)
+    torch.testing.assert_close(short_batch, alone, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(long_batch, alone, atol=ATOL, rtol=RTOL)
+    assert torch.equal(again, long_batch), "the same batch run twice must give bit-identical states"
+    torch.testing.assert_close(alone, reference(model, s, ids), atol=ATOL, rtol=RTOL)
+
+
+def test_early_stop_and_full_depth_write_identical_slots(model, slot_ring):
+    batch = make_batch(sequences([9, 4]), 9, 5)
+    out = []
+    for stop in (True, False):
+        p = Producer(model, [2, 3], slot_ring, generation=1, device="cpu", stop_early=stop)
+        out.append(read_slot(slot_ring, p.run_batch(batch, slot=1, seq=0))["hidden"])
+    assert torch.equal(out[0], out[1])
+
+
+def test_submit_then_complete_keeps_batches_apart(model, slot_ring):
+    """Two batches in flight (the process's pipelining): each slot holds its own batch."""
+    p = Producer(model, [1, 5], slot_ring, generation=2, device="cpu")
+    sa, sb = sequences([6], seed=11)[0], sequences([10], seed=12)[0]
+    pa = p.submit(make_batch([sa], 6, 10), slot=0, seq=0)
+    pb = p.submit(make_batch([sb], 12, 11), slot=1, seq=1)
+    ma, mb = p.complete(pa), p.complete(pb)
+    assert (ma.batch_id, mb.batch_id, ma.slot, mb.slot) == (10, 11, 0, 1)
+    torch.testing.assert_close(read_slot(slot_ring, ma)["hidden"], reference(model, sa, [1, 5]), atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(read_slot(slot_ring, mb)["hidden"], reference(model, sb, [1, 5]), atol=ATOL, rtol=RTOL)
+    assert p.stats.batches == 2 and p.stats.tokens == 16 and p.current_batch == -1
+
+
+def test_checksum_is_recorded_and_verifies(model, slot_ring):
+    p = Producer(model, [2], slot_ring, generation=4, device="cpu", checksum=True)
+    msg = p.run_batch(make_batch(sequences([7, 3]), 8, 77), slot=1, seq=5)
+    assert msg.checksum != 0
+    h = slot_ring.verify(1, 77, 4)
+    assert h.checksum == msg.checksum
+
+
+# ------------------------------------------------------------------------------------------ bad batches
+def test_injected_nonfinite_batch_is_reported_and_not_published(model, slot_ring):
+    p = Producer(model, [1, 3], slot_ring, generation=2, device="cpu", inject_nonfinite=[7])
+    msg = p.run_batch(make_batch(sequences([5, 9]), 9, 7), slot=0, seq=0)
+    assert isinstance(msg, messages.BadBatch)
+    assert (msg.batch_id, msg.slot, msg.generation) == (7, 0, 2)
+    assert "batch 7" in msg.reason and "non-finite" in msg.reason and "[1]" in msg.reason
+    assert slot_ring.header(0).state == EMPTY
+    assert (p.stats.bad_batches, p.stats.batches, p.stats.tokens) == (1, 0, 0)
+    ok = p.run_batch(make_batch(sequences([5, 9]), 9, 8), slot=0, seq=1)
+    assert isinstance(ok, messages.SlotReady) and slot_ring.header(0).state == PUBLISHED
+    assert torch.isfinite(read_slot(slot_ring, ok)["hidden"]).all()
+
+
+def test_real_nonfinite_hidden_states_are_caught(model, slot_ring):
+    """Not injected: an infinite weight in layer 3 makes layers 3+ non-finite; layer 1 stays finite."""
+    w = model.model.layers[3].mlp.down_proj.weight
+    saved = w.detach().clone()
+    try:
+        with torch.no_grad():
+            w[0, 0] = float("inf")
+        p = Producer(model, [1, 3], slot_ring, generation=1, device="cpu")
+        msg = p.run_batch(make_batch(sequences([4]), 4, 99), slot=2, seq=0)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+    assert isinstance(msg, messages.BadBatch)
+    assert "layers [3]" in msg.reason and "batch 99" in msg.reason
+    assert slot_ring.header(2).state == EMPTY
+
+
+def test_a_batch_too_large_for_the_slot_is_bad_and_the_slot_untouched(model):
+    small = Ring.create(ring.segment_name(ring.new_run_id(), "ut"), num_slots=2, slot_bytes=4096)
+    try:
+        p = Producer(model, [1, 2, 3], small, generation=1, device="cpu")
+        msg = p.run_batch(make_batch(sequences([20]), 20, 5), slot=1, seq=0)
+        assert isinstance(msg, messages.BadBatch)
+        assert "does not fit in a slot of 4096 bytes" in msg.reason
+        assert small.header(1).state == EMPTY and small.header(1).batch_id == 0
+    finally:
+        small.close()
+        small.unlink()
+
+
+def test_malformed_batches_raise_naming_the_problem(model, slot_ring):
+    p = Producer(model, [1], slot_ring, generation=1, device="cpu")
+    batch = make_batch(sequences([3, 5]), 6, 1)
+    left = dict(batch, attention_mask=batch["attention_mask"].flip(1))
+    with pytest.raises(ValueError, match="right padding"):
+        p.run_batch(left, slot=0, seq=0)
+    with pytest.raises(ValueError, match="missing"):
+        p.run_batch({k: v for k, v in batch.items() if k != "loss_mask"}, slot=0, seq=0)
+    with pytest.raises(ValueError, match=r"lengths \[3, 7\]"):
+        p.run_batch(dict(batch, lengths=torch.tensor([3, 7])), slot=0, seq=0)
+    assert slot_ring.header(0).state == EMPTY
+
+
+# ------------------------------------------------------------------------------------------ config
+def test_from_config_builds_with_default_ids_and_env_injection(slot_ring, monkeypatch):
+    monkeypatch.setenv(INJECT_ENV, "12, 13")
+    cfg = ProducerConfig(devices=["cpu"], num_target_layers=3)
+    p = Producer.from_config(cfg, 0, slot_ring, generation=5, checksum=True)
+    assert p.layer_ids == [1, 3, 5] and p.inject_nonfinite == {12, 13} and p.checksum
+    assert p.hf_config.pad_token_id == 3 and p.generation == 5
+    msg = p.run_batch(make_batch(sequences([4]), 4, 13), slot=0, seq=0)
+    assert isinstance(msg, messages.BadBatch)
+
+
+def test_from_config_names_bad_ids_and_indices(slot_ring):
+    with pytest.raises(ConfigError, match=r"\[8, 9\]"):
+        Producer.from_config(ProducerConfig(devices=["cpu"], target_layer_ids=[1, 8, 9]), 0, slot_ring, 1)
+    with pytest.raises(ConfigError, match="producer index 2"):
+        Producer.from_config(ProducerConfig(devices=["cpu", "cpu"]), 2, slot_ring, 1)
+
+
+def test_parse_batch_ids():
+    assert parse_batch_ids(None) == set() and parse_batch_ids(" ") == set()
+    assert parse_batch_ids("3, 17,42,") == {3, 17, 42}
+    with pytest.raises(ConfigError, match="'x'"):
+        parse_batch_ids("3,x")

@@ -1,0 +1,238 @@
+"""Unit tests of producers/target.py: layer ids, device and checkpoint validation, forward-hook capture.
+
+The capture tests use the fixture target (assets/tiny-code-lm: Qwen3, 8 layers, H = 256) on the CPU in
+float32, and compare against Hugging Face's own ``output_hidden_states``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from producers import target
+from producers.target import (LayerCapture, StopForward, default_target_layer_ids, load_target,
+                              resolve_device, resolve_layer_ids)
+from shared.config import DEFAULT_TARGET
+from shared.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, cfg = load_target(DEFAULT_TARGET, "cpu")
+    return model, cfg
+
+
+def tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(4, 8192, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+# ------------------------------------------------------------------------------------------ layer ids
+@pytest.mark.parametrize("num_layers,n,expected", [
+    (36, 5, [1, 9, 17, 25, 33]),      # Qwen3-8B, the DFlash default
+    (36, 1, [18]),
+    (36, 2, [1, 33]),
+    (8, 5, [1, 2, 3, 4, 5]),          # the fixture
+    (28, 3, [1, 13, 25]),
+    (7, 1, [3]),
+])
+def test_default_layer_ids(num_layers, n, expected):
+    assert default_target_layer_ids(num_layers, n) == expected
+
+
+def test_default_layer_ids_reject_nonsense():
+    with pytest.raises(ConfigError, match="num_target_layers"):
+        default_target_layer_ids(8, 0)
+    with pytest.raises(ConfigError, match="num_layers"):
+        default_target_layer_ids(0, 3)
+
+
+def test_resolve_layer_ids_uses_given_ids_in_order_or_defaults():
+    assert resolve_layer_ids(8, [5, 0, 7], 3) == [5, 0, 7]
+    assert resolve_layer_ids(8, None, 5) == [1, 2, 3, 4, 5]
+
+
+def test_resolve_layer_ids_names_out_of_range_ids():
+    with pytest.raises(ConfigError) as e:
+        resolve_layer_ids(8, [1, 8, -1, 3], 4)
+    assert "[8, -1]" in str(e.value) and "[0, 8)" in str(e.value)
+
+
+def test_resolve_layer_ids_names_duplicates():
+    with pytest.raises(ConfigError, match=r"duplicate layer ids \[3\]"):
+        resolve_layer_ids(8, [3, 1, 3], 3)
+
+
+def test_default_ids_that_collide_on_a_shallow_model_are_an_error():
+    # L = 5, n = 5: round(1 + k/4) = 1, 1, 2, 2, 2
+    with pytest.raises(ConfigError, match=r"default target layer ids.*duplicate layer ids \[1, 2\]"):
+        resolve_layer_ids(5, None, 5)
+
+
+def test_resolve_layer_ids_rejects_empty():
+    with pytest.raises(ConfigError, match="no layer ids"):
+        resolve_layer_ids(8, [], 1)
+
+
+# ------------------------------------------------------------------------------------------ devices
+def test_resolve_device_accepts_cpu():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device(torch.device("cpu")) == torch.device("cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() > 7, reason="this machine has cuda:7")
+def test_resolve_device_names_a_missing_gpu():
+    with pytest.raises(ConfigError, match=r"'cuda:7' does not exist"):
+        resolve_device("cuda:7")
+
+
+@pytest.mark.parametrize("spec", ["tpu", "cuda:x", "gpu0", "cpu:3", ""])
+def test_resolve_device_names_garbage(spec):
+    with pytest.raises(ConfigError, match="device"):
+        resolve_device(spec)
+
+
+# ------------------------------------------------------------------------------------------ loading
+def test_load_target_on_cpu_is_float32_eval_and_frozen(tiny):
+    model, cfg = tiny
+    assert cfg.num_hidden_layers == 8 and cfg.hidden_size == 256
+    assert next(model.parameters()).dtype == torch.float32
+    assert not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    assert target.num_decoder_layers(model) == 8 and target.hidden_size(model) == 256
+    assert target.base_model(model) is model.model
+
+
+def test_load_target_honours_an_explicit_dtype():
+    model, _ = load_target(DEFAULT_TARGET, "cpu", "bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+
+
+def test_missing_checkpoint_directory_is_named(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(ConfigError) as e:
+        load_target(missing, "cpu")
+    assert str(missing) in str(e.value) and "does not exist" in str(e.value)
+
+
+def test_a_file_is_not_a_checkpoint_directory(tmp_path):
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"x")
+    with pytest.raises(ConfigError, match="not a directory"):
+        load_target(f, "cpu")
+
+
+def test_a_directory_without_config_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_target(tmp_path, "cpu")
+
+
+def test_a_vision_model_is_not_a_causal_lm(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
+    with pytest.raises(ConfigError) as e:
+        load_target(tmp_path, "cpu")
+    assert "not a causal language model" in str(e.value) and "'vit'" in str(e.value)
+
+
+def test_a_masked_lm_checkpoint_is_not_a_causal_lm(tmp_path):
+    # BERT has an AutoModelForCausalLM class, but a BertForMaskedLM checkpoint is an encoder
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    with pytest.raises(ConfigError) as e:
+        load_target(tmp_path, "cpu")
+    assert "BertForMaskedLM" in str(e.value) and "not a causal language model" in str(e.value)
+
+
+def test_a_checkpoint_without_safetensors_is_named(tmp_path):
+    shutil.copy(DEFAULT_TARGET / "config.json", tmp_path / "config.json")
+    with pytest.raises(ConfigError, match="no \\*.safetensors weights"):
+        load_target(tmp_path, "cpu")
+
+
+def test_broken_weights_are_named(tmp_path):
+    shutil.copy(DEFAULT_TARGET / "config.json", tmp_path / "config.json")
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ConfigError, match="failed to load as a causal LM"):
+        load_target(tmp_path, "cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() > 7, reason="this machine has cuda:7")
+def test_load_target_on_a_missing_device_names_it():
+    with pytest.raises(ConfigError, match="cuda:7"):
+        load_target(DEFAULT_TARGET, "cuda:7")
+
+
+# ------------------------------------------------------------------------------------------ capture
+ALL_IDS = [0, 1, 3, 5, 6, 7]
+
+
+def test_capture_equals_hf_hidden_states_in_the_same_forward(tiny):
+    """Hooks run during a forward that also returns hidden_states: the tensors must be the same values."""
+    model, _ = tiny
+    ids = tokens(23, seed=1)
+    with torch.inference_mode(), LayerCapture(model, ALL_IDS) as cap:
+        out = model.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        parts = cap.outputs()
+    assert len(out.hidden_states) == 9
+    for lid, h in zip(ALL_IDS, parts):
+        assert h.shape == (1, 23, 256)
+        assert torch.equal(h, out.hidden_states[lid + 1]), f"layer id {lid}"
+    # id L-1 is Hugging Face's normed last state; every other id is the raw residual stream
+    assert not torch.equal(parts[ALL_IDS.index(6)], out.hidden_states[6])
+
+
+def test_early_stop_gives_the_same_states_and_skips_the_rest(tiny):
+    model, _ = tiny
+    ids = tokens(17, seed=2)
+    with torch.inference_mode():
+        ref = model.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        calls = []
+        probe = model.model.layers[4].register_forward_hook(lambda *a: calls.append(1))
+        try:
+            with LayerCapture(model, [3, 1], stop_after_last=True) as cap:
+                with pytest.raises(StopForward):
+                    model.model(input_ids=ids, use_cache=False)
+                parts = cap.outputs()
+        finally:
+            probe.remove()
+    assert calls == [], "layer 4 must not run when the deepest captured layer is 3"
+    assert torch.equal(parts[0], ref[4]) and torch.equal(parts[1], ref[2])
+
+
+def test_token_index_gathers_inside_the_hook(tiny):
+    model, _ = tiny
+    ids = tokens(12, seed=3).repeat(2, 1)
+    index = torch.tensor([0, 1, 2, 12, 13])
+    with torch.inference_mode():
+        ref = model.model(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        with LayerCapture(model, [2]) as cap:
+            cap.token_index = index
+            model.model(input_ids=ids, use_cache=False)
+            (h,) = cap.outputs()
+    assert h.shape == (5, 256)
+    assert torch.equal(h, ref[3].reshape(-1, 256)[index])
+
+
+def test_hooks_are_removed_on_exit_even_after_an_error(tiny):
+    model, _ = tiny
+    layers = model.model.layers
+    before = [len(l._forward_hooks) for l in layers] + [len(model.model.norm._forward_hooks)]
+    with pytest.raises(RuntimeError, match="boom"):
+        with LayerCapture(model, [0, 7]):
+            raise RuntimeError("boom")
+    after = [len(l._forward_hooks) for l in layers] + [len(model.model.norm._forward_hooks)]
+    assert before == after
+
+
+def test_outputs_before_a_forward_names_the_missing_ids(tiny):
+    model, _ = tiny
+    with LayerCapture(model, [2, 4]) as cap:
+        with pytest.raises(RuntimeError, match=r"\[2, 4\] were not captured"):
+            cap.outputs()
+
+
+def test_capture_rejects_bad_ids(tiny):
+    model, _ = tiny
+    with pytest.raises(ConfigError, match=r"\[8\]"):
+        LayerCapture(model, [1, 8])
