@@ -101,10 +101,11 @@ def body(ctx: ChildContext) -> None:
         trainer = Trainer(cfg.trainer, dcfg, cfg.producer.target, device, ctx.run_dir, rank=rank,
                           world_size=world, process_group=group)
         if cfg.resume:
-            path = latest_checkpoint(ctx.run_dir)
+            path = latest_checkpoint(os.path.join(ctx.run_dir, "checkpoints"))
             if path is not None:
                 trainer.load_checkpoint(path)
                 log.info("resume checkpoint=%s step=%d", path, trainer.step_count)
+        ctx.ready()
         _loop(ctx, trainer, SlotReader(rings, device), rank)
     finally:
         for r in rings:
@@ -164,10 +165,11 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int) -> None:
         result = trainer.step(batch, [msg.batch_id])
         del batch
         tokens += int(msg.num_tokens)
-        if result.get("optimizer_step", True):
-            ctx.send(m.Trained(consumer=ctx.index, step=int(result["step"]), batch_ids=list(result["batch_ids"]),
-                               loss=float(result["loss"]), num_tokens=int(result.get("num_tokens", msg.num_tokens)),
-                               skipped=bool(result.get("skipped", False))))
+        if result["optimizer_step"]:
+            if rank == 0:  # rank 0 speaks for the whole group: result["batch_ids"] holds every rank's ids
+                ctx.send(m.Trained(consumer=ctx.index, step=trainer.step_count, batch_ids=list(result["batch_ids"]),
+                                   loss=float(result["loss"]), num_tokens=int(result["num_tokens"]),
+                                   skipped=bool(result["skipped"])))
             if trainer.step_count % cfg.trainer.checkpoint_every == 0:
                 checkpoint()
 

@@ -186,6 +186,7 @@ def body(ctx: ChildContext) -> None:
         pad_id = pick_pad_id(ds, producer.hf_config)
         log.info("serving ring=%s slots=%d slot_bytes=%d pinned=%s data=%s samples=%d pad_id=%d",
                  ring.name, ring.num_slots, ring.slot_bytes, ring.pinned, cfg.data.data, len(ds), pad_id)
+        ctx.ready()
         ProducerLoop(ctx, producer, ds, pad_id).run()
     finally:
         ring.close()

@@ -105,6 +105,7 @@ class ChildContext:
     topology: Topology
     sock: zmq.Socket
     stop_reason: str = ""
+    said_hello: bool = False
     parent_pid: int = field(default_factory=os.getppid)
 
     @property
@@ -116,6 +117,14 @@ class ChildContext:
 
     def send(self, msg) -> None:
         channel.send(self.sock, msg)
+
+    def ready(self) -> None:
+        """Say ``Hello``: the child is loaded and can take work. Call once, after the slow start-up
+        (model loading), so the monitor's hang clock starts only then (``startup_timeout_s`` covers
+        the time before)."""
+        if not self.said_hello:
+            self.send(messages.Hello(role=self.role, index=self.index, generation=self.generation, pid=os.getpid()))
+            self.said_hello = True
 
 
 def child_argv(module: str, run_dir: str, index: int, generation: int) -> list[str]:
@@ -173,6 +182,7 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
     Parses ``--run-dir/--index/--generation``, sets the title and parent-death signal, installs
     SIGTERM/SIGINT handlers that only set the stop flag, connects the DEALER socket, runs ``body(ctx)``
     inside try/finally, and on an exception sends a fatal ``Error`` to the coordinator before exiting 1.
+    The body calls ``ctx.ready()`` (which sends ``Hello``) once it can take work.
     """
     ap = argparse.ArgumentParser(description=module_doc)
     ap.add_argument("--run-dir", required=True)
@@ -200,7 +210,6 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
     signal.signal(signal.SIGINT, on_signal)
     code = EXIT_OK
     try:
-        ctx.send(messages.Hello(role=role, index=args.index, generation=args.generation, pid=os.getpid()))
         body(ctx)
         log.info("exit reason=%s", ctx.stop_reason or "done")
     except BaseException as e:  # report everything, SystemExit included, then exit non-zero

@@ -191,8 +191,10 @@ def train_main(argv: list[str]) -> int:
         return 0
     _setup_logging(cfg.run_dir)
     from supervisor.supervisor import Supervisor
+    from tqdm.contrib.logging import logging_redirect_tqdm
     sup = Supervisor(cfg, plan)
-    outcome = sup.run()
+    with logging_redirect_tqdm():
+        outcome = sup.run()
     s = sup.summary
     print(f"\nrun {s['exit_reason']}: {s['trained_batches']}/{s['planned_batches']} batches trained "
           f"(duplicates {s['duplicate_batches']}, lost {s['lost_batches']}, bad {s['bad_batches']}), "

@@ -5,8 +5,8 @@
 * A fresh run into a directory that already holds checkpoints is refused (use ``--resume`` or another
   directory) so no earlier result is overwritten.
 * ``--resume``: the trained batch ids come from the latest checkpoint (``consumer.checkpoint``); the
-  ``metrics.jsonl`` records of steps after that checkpoint are moved to ``metrics.discarded.jsonl``
-  because their weights were lost, so the final ``metrics.jsonl`` lists every batch exactly once.
+  trainer drops the ``metrics.jsonl`` records of steps after that checkpoint (their weights were lost),
+  so the final ``metrics.jsonl`` lists every batch exactly once.
 """
 
 from __future__ import annotations
@@ -67,43 +67,22 @@ def prepare_run_dir(cfg: RunConfig) -> None:
         raise ConfigError(f"--run-dir: {run_dir} already holds checkpoints of an earlier run; "
                           f"continue it with --resume or choose another --run-dir")
     if cfg.resume:
-        latest_step = latest_checkpoint_step(run_dir)
-        if latest_step is None:
+        if latest_checkpoint_step(run_dir) is None:
             raise ConfigError(f"--resume: {run_dir} has no checkpoint to resume from")
-        truncate_metrics(run_dir, latest_step)
 
 
 def latest_checkpoint_step(run_dir: Path) -> int | None:
-    """Step of the checkpoint that ``checkpoints/latest`` names, or None."""
-    from consumer.checkpoint import latest_checkpoint, checkpoint_step
-    path = latest_checkpoint(run_dir)
-    return None if path is None else checkpoint_step(path)
+    """Optimizer step of the checkpoint that ``checkpoints/latest`` names, or None."""
+    from consumer.checkpoint import load_checkpoint, latest_checkpoint
+    path = latest_checkpoint(Path(run_dir) / "checkpoints")
+    return None if path is None else int(load_checkpoint(path)[1]["step"])
 
 
 def read_trained_from_checkpoint(run_dir: Path) -> set[int]:
     """Batch ids trained up to the latest checkpoint of ``run_dir`` (empty set if there is none)."""
-    from consumer.checkpoint import latest_checkpoint, read_trained_batch_ids
-    path = latest_checkpoint(run_dir)
-    return set() if path is None else set(read_trained_batch_ids(path))
-
-
-def truncate_metrics(run_dir: Path, step: int) -> int:
-    """Move ``metrics.jsonl`` records of steps after ``step`` to ``metrics.discarded.jsonl``; returns how many."""
-    p = Path(run_dir) / "metrics.jsonl"
-    if not p.is_file():
-        return 0
-    keep, drop = [], []
-    for line in p.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            drop.append(line)  # a line cut short by a kill
-            continue
-        (keep if int(rec.get("step", 0)) <= step else drop).append(line)
-    if drop:
-        with open(Path(run_dir) / "metrics.discarded.jsonl", "a") as f:
-            f.write("\n".join(drop) + "\n")
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text("".join(x + "\n" for x in keep))
-        os.replace(tmp, p)
-    return len(drop)
+    from consumer.checkpoint import load_checkpoint, latest_checkpoint
+    path = latest_checkpoint(Path(run_dir) / "checkpoints")
+    if path is None:
+        return set()
+    state = load_checkpoint(path)[1]
+    return {int(b) for b in list(state["trained_batch_ids"]) + list(state.get("skipped_batch_ids", []))}

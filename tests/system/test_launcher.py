@@ -1,0 +1,231 @@
+"""System tests: the real launcher, real producer/consumer processes, real rings and sockets, on CPU.
+
+Each test starts ``launch.py train`` on the fixture target with a small dataset, kills children with
+SIGKILL/SIGSTOP at chosen moments, and checks the invariants of DESIGN.md from ``summary.json`` *and* from
+``metrics.jsonl``: every planned batch trained exactly once, nothing left in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import zmq
+
+from shared import messages as m
+from tests.system.launcher_util import (REPO, TARGET, child_pid, kill_tree, make_dataset, metrics_batch_ids,
+                                        segments_of, small_flags, start_launcher, status_rows, summary, wait_for)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("data") / "small.arrow")
+
+
+def _run_id(run_dir: Path) -> str:
+    return json.loads((run_dir / "topology.json").read_text())["run_id"]
+
+
+def _finish(proc: subprocess.Popen, timeout_s: float) -> int:
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        raise AssertionError(f"launcher did not finish within {timeout_s:.0f}s")
+
+
+def _assert_exactly_once(run_dir: Path, expect_planned: int | None = None) -> dict:
+    s = summary(run_dir)
+    ids = metrics_batch_ids(run_dir)
+    assert len(ids) == len(set(ids)), f"batches trained twice: {sorted(b for b in set(ids) if ids.count(b) > 1)}"
+    assert s["duplicate_batches"] == 0 and s["lost_batches"] == 0, s
+    planned = s["planned_batches"] + s.get("trained_before_resume", 0)
+    if expect_planned is not None:
+        assert planned == expect_planned
+    assert len(ids) == planned - s["bad_batches"], (len(ids), s)
+    return s
+
+
+def test_plan_starts_nothing_and_bad_flags_name_the_flag(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "launch.py", "train", "--plan", *small_flags(dataset, run_dir, 10)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "rings: 2 x 3 slots" in out.stdout and "target layers captured: [1, 5]" in out.stdout
+    assert not (run_dir / "topology.json").exists()
+    for flag, value, needle in (("--producers", "cpu,cuda:7", "--producers"),
+                                ("--target-layers", "1,99", "--target-layers"),
+                                ("--block-size", "1", "block_size"),
+                                ("--slot-mb", "0.01", "--slot-mb")):
+        args = small_flags(dataset, tmp_path / f"bad{flag}", 10, **{flag: value})
+        out = subprocess.run([sys.executable, "launch.py", "train", *args], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2, (flag, out.stdout, out.stderr)
+        assert needle in out.stderr, (flag, out.stderr)
+
+
+def test_full_run_trains_every_batch_once_and_cleans_up(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_launcher(small_flags(dataset, run_dir, 24), log_path=tmp_path / "launcher.log")
+    code = _finish(proc, 240)
+    log = (tmp_path / "launcher.log").read_text()
+    assert code == 0, log[-3000:]
+    s = _assert_exactly_once(run_dir, expect_planned=24)
+    assert s["exit_reason"] == "done"
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    first = sum(r["loss"] for r in recs[:4]) / 4
+    last = sum(r["loss"] for r in recs[-4:]) / 4
+    assert last < first - 0.3, f"loss did not go down: first {first:.3f} last {last:.3f}"
+    assert segments_of(s["run_id"]) == []
+    assert not (run_dir / "coord.sock").exists()
+    assert (run_dir / "checkpoints" / "latest").is_file()
+
+
+def test_chaos_producers_killed_and_hung(dataset, tmp_path):
+    """SIGKILL producers >= 5 times (some mid-write) and SIGSTOP one past the hang timeout."""
+    seed = int(os.environ.get("SPECRING_CHAOS_SEED", random.randrange(1 << 30)))
+    print(f"chaos seed={seed}")
+    rng = random.Random(seed)
+    run_dir = tmp_path / "run"
+    proc = start_launcher(small_flags(dataset, run_dir, 60, hang_timeout_s=4),
+                          env={"SPECRING_SLOW_WRITE_S": "0.15"}, log_path=tmp_path / "launcher.log")
+    killed, stopped = 0, None
+    try:
+        wait_for(lambda: child_pid(run_dir, "producer", 0) and child_pid(run_dir, "producer", 1), 120,
+                 "both producers running")
+        gens = {0: 1, 1: 1}
+        while killed < 6 and proc.poll() is None:
+            p = rng.randrange(2)
+            pid = wait_for(lambda: child_pid(run_dir, "producer", p, gens[p]), 60, f"producer {p} running")
+            time.sleep(rng.uniform(0.2, 1.2))  # writes take >= 0.15 s: many kills land mid-write
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+                gens[p] += 1
+            except ProcessLookupError:
+                pass
+        # hang: SIGSTOP producer 0 until the monitor kills it
+        pid = wait_for(lambda: child_pid(run_dir, "producer", 0, gens[0]), 60, "producer 0 back")
+        os.kill(pid, signal.SIGSTOP)
+        stopped = pid
+        wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE,
+                 30, "hung producer killed by the monitor")
+        code = _finish(proc, 240)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc, [stopped] if stopped else [])
+    log = (tmp_path / "launcher.log").read_text()
+    assert code == 0, log[-4000:]
+    assert killed >= 5
+    s = _assert_exactly_once(run_dir, expect_planned=60)
+    assert sum(s["restarts"].values()) >= killed + 1, s["restarts"]
+    assert "reason=no heartbeat or progress" in log
+    assert segments_of(s["run_id"]) == []
+
+
+def test_sigkill_of_launcher_takes_children_down_and_next_run_sweeps(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_launcher(small_flags(dataset, run_dir, 200), log_path=tmp_path / "launcher.log")
+    try:
+        wait_for(lambda: child_pid(run_dir, "consumer", 0) and child_pid(run_dir, "producer", 1), 120, "children up")
+        kids = [r["pid"] for r in status_rows(run_dir) if r["pid"]]
+        run_id = _run_id(run_dir)
+        assert segments_of(run_id)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        t0 = time.monotonic()
+        wait_for(lambda: not any(psutil.pid_exists(k) and psutil.Process(k).status() != psutil.STATUS_ZOMBIE
+                                 for k in kids), 10, "children to exit after the launcher's SIGKILL")
+        print(f"children gone {time.monotonic() - t0:.2f}s after the launcher's SIGKILL")
+    finally:
+        kill_tree(proc)
+    assert segments_of(run_id), "segments must survive until swept"
+    out = subprocess.run([sys.executable, "launch.py", "clean", "--run-dir", str(run_dir)], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert segments_of(run_id) == []
+    assert not (run_dir / "coord.sock").exists()
+
+
+def test_consumer_death_stops_run_and_resume_completes_exactly_once(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    flags = small_flags(dataset, run_dir, 30)
+    proc = start_launcher(flags, log_path=tmp_path / "first.log")
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "latest").is_file(), 180, "a first checkpoint")
+        time.sleep(1.0)
+        os.kill(child_pid(run_dir, "consumer", 0), signal.SIGKILL)
+        code = _finish(proc, 60)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert code != 0
+    s1 = summary(run_dir)
+    assert s1["exit_reason"].startswith("consumer_0_died"), s1
+    assert segments_of(s1["run_id"]) == []
+    proc = start_launcher(["--run-dir", str(run_dir), "--resume"], log_path=tmp_path / "second.log")
+    code = _finish(proc, 240)
+    assert code == 0, (tmp_path / "second.log").read_text()[-3000:]
+    s2 = summary(run_dir)
+    assert s2["trained_before_resume"] > 0
+    _assert_exactly_once(run_dir, expect_planned=30)
+
+
+def test_garbage_and_stale_messages_are_ignored(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_launcher(small_flags(dataset, run_dir, 16), log_path=tmp_path / "launcher.log")
+    try:
+        wait_for(lambda: child_pid(run_dir, "producer", 0), 120, "producer 0 up")
+        addr = json.loads((run_dir / "topology.json").read_text())["address"]
+        ctx = zmq.Context()
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.setsockopt(zmq.IDENTITY, b"producer-0")
+        s.connect(addr)
+        s.send(b"\xc1\xff garbage")
+        s.send(m.encode(m.SlotReady(producer=0, generation=0, slot=0, batch_id=3, seq=1, descriptor=[],
+                                    payload_bytes=0, num_tokens=1)))
+        s.send(m.encode(m.Heartbeat(role="producer", index=0, generation=99, pid=1)))
+        s.close()
+        ctx.term()
+        code = _finish(proc, 240)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    log = (tmp_path / "launcher.log").read_text()
+    assert code == 0, log[-3000:]
+    assert "reject frame" in log and "stale_generation" in log
+    s = _assert_exactly_once(run_dir, expect_planned=16)
+    assert s["rejected_frames"] >= 1
+
+
+def test_status_and_graceful_restart_while_training(dataset, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_launcher(small_flags(dataset, run_dir, 40), log_path=tmp_path / "launcher.log")
+    try:
+        wait_for(lambda: child_pid(run_dir, "producer", 1), 120, "producer 1 up")
+        out = subprocess.run([sys.executable, "launch.py", "status", "--run-dir", str(run_dir)], cwd=REPO,
+                             capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        assert "producer-0" in out.stdout and "consumer-0" in out.stdout and "tok/s" in out.stdout
+        out = subprocess.run([sys.executable, "launch.py", "restart", "producer", "1", "--run-dir", str(run_dir)],
+                             cwd=REPO, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        wait_for(lambda: child_pid(run_dir, "producer", 1, 2), 60, "producer 1 generation 2")
+        code = _finish(proc, 240)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert code == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+    s = _assert_exactly_once(run_dir, expect_planned=40)
+    assert s["restarts"]["1"] >= 1
