@@ -2,7 +2,9 @@
 
 One process per target replica, started by the supervisor (``shared.procs.spawn_child``). It attaches to
 ring ``topology.rings[I]`` (pinning it where CUDA is used), opens the dataset ``config.data.data``, loads
-the target on ``config.producer.devices[I]`` and then serves the coordinator over its DEALER socket:
+the target on ``config.producer.devices[I]``, says ``Hello`` (``ctx.ready()``: only now can it take work;
+a start-up failure is a fatal ``Error`` naming the problem instead) and then serves the coordinator over
+its DEALER socket:
 
 * ``Lease`` for this generation: collate the samples (right padding to ``pad_to`` with the dataset's pad
   id, else the target config's ``pad_token_id``, else 0), run the batch through ``Producer`` and answer

@@ -55,8 +55,8 @@ from shared import layout, messages
 from shared.config import ProducerConfig
 from shared.errors import ConfigError, PayloadTooLarge
 from shared.ring import Ring
-from producers.target import (LayerCapture, StopForward, base_model, hidden_size, load_target,
-                              num_decoder_layers, resolve_layer_ids)
+from producers.target import (LayerCapture, StopForward, base_model, check_checkpoint, hidden_size,
+                              load_target, num_decoder_layers, resolve_device, resolve_layer_ids)
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +157,10 @@ class Producer:
         if not 0 <= index < len(cfg.devices):
             raise ConfigError(f"producer index {index} has no device: producer.devices has "
                               f"{len(cfg.devices)} entries {cfg.devices}")
+        resolve_device(cfg.devices[index])
+        num_layers = getattr(check_checkpoint(cfg.target), "num_hidden_layers", None)
+        if isinstance(num_layers, int):  # fail on bad ids before spending time on the weights
+            resolve_layer_ids(num_layers, cfg.target_layer_ids, cfg.num_target_layers)
         model, hf_config = load_target(cfg.target, cfg.devices[index], cfg.dtype)
         ids = resolve_layer_ids(num_decoder_layers(model), cfg.target_layer_ids, cfg.num_target_layers)
         if inject_nonfinite is None:

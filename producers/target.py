@@ -118,8 +118,13 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def _check_checkpoint(path: Path):
-    """Return the checkpoint's ``PretrainedConfig`` after checking that it is a local causal-LM checkpoint."""
+def check_checkpoint(path: str | Path):
+    """The checkpoint's ``PretrainedConfig``, after checking that ``path`` is a local causal-LM checkpoint.
+
+    Cheap (reads ``config.json`` only), so callers can validate layer ids before loading weights. Raises
+    ``ConfigError`` naming the path and the problem (see ``load_target``).
+    """
+    path = Path(path).expanduser()
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -168,7 +173,7 @@ def load_target(path: str | Path, device: str | torch.device, dtype: str | torch
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     p = Path(path).expanduser()
-    hf_config = _check_checkpoint(p)
+    hf_config = check_checkpoint(p)
     kwargs = dict(dtype=torch_dtype, local_files_only=True, use_safetensors=True)
     direct = dev.type == "cuda" and is_accelerate_available()
     if direct:
