@@ -17,6 +17,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,6 +128,24 @@ class ChildContext:
             self.said_hello = True
 
 
+def peer_identity(role: str, index: int, generation: int) -> str:
+    """The ZeroMQ routing identity of one child incarnation: ``<role>-<index>-g<generation>``.
+
+    Each incarnation has its own identity, so a restarted producer never collides with the socket of the
+    one it replaces, and a message still in flight from a dead incarnation is recognisable as stale.
+    """
+    return f"{role}-{index}-g{generation}"
+
+
+def parse_identity(identity: bytes) -> tuple[str, int, int] | None:
+    """``(role, index, generation)`` of an identity made by ``peer_identity``; None if it is not one."""
+    m = _IDENTITY_RE.match(identity.decode(errors="replace"))
+    return (m["role"], int(m["index"]), int(m["gen"])) if m else None
+
+
+_IDENTITY_RE = re.compile(r"^(?P<role>producer|consumer)-(?P<index>\d+)-g(?P<gen>\d+)$")
+
+
 def child_argv(module: str, run_dir: str, index: int, generation: int) -> list[str]:
     """Command line that starts a child: ``python -m <module> --run-dir R --index I --generation G``."""
     return [sys.executable, "-m", module, "--run-dir", str(run_dir), "--index", str(index),
@@ -199,7 +218,7 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
         log.error("exit reason=parent_gone supervisor_pid=%d", topology.supervisor_pid)
         return EXIT_ERROR
     zctx = zmq.Context()
-    sock = channel.connect_dealer(zctx, topology.address, name)
+    sock = channel.connect_dealer(zctx, topology.address, peer_identity(role, args.index, args.generation))
     ctx = ChildContext(role=role, index=args.index, generation=args.generation, run_dir=args.run_dir,
                        config=config, topology=topology, sock=sock)
 

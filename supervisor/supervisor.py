@@ -32,7 +32,7 @@ import zmq
 from shared import channel, messages as m
 from shared.config import RunConfig
 from shared.errors import MessageError
-from shared.procs import Topology, kill_group, spawn_child, terminate
+from shared.procs import Topology, kill_group, parse_identity, peer_identity, spawn_child, terminate
 from shared.ring import Ring, check_shm_space, new_run_id, segment_bytes, segment_name, sweep_stale
 from supervisor.coordinator import Coordinator
 from supervisor.monitor import Child, HealthMonitor
@@ -126,7 +126,8 @@ class Supervisor:
 
     def _send(self, role: str, index: int, msg) -> None:
         try:
-            channel.send(self.router, msg, to=f"{role}-{index}".encode())
+            child = self._child(role, index)
+            channel.send(self.router, msg, to=peer_identity(role, index, child.generation).encode())
         except zmq.ZMQError as e:
             log.warning("send_failed to=%s-%d kind=%s error=%s", role, index, msg.KIND, e)
 
@@ -140,14 +141,21 @@ class Supervisor:
         if isinstance(msg, m.Command):
             self._command(peer, msg)
             return
-        role, _, idx = sender.rpartition("-")
-        child = self._child(role, int(idx)) if idx.isdigit() else None
+        ident = parse_identity(peer)
+        child = self._child(ident[0], ident[1]) if ident else None
         if child is None:
             self.rejected_frames += 1
             log.warning("reject kind=%s peer=%s reason=unknown_peer", msg.KIND, sender)
             return
-        gen = getattr(msg, "generation", None)
-        if role == "producer" and gen is not None and gen != child.generation and not isinstance(msg, m.SlotReady):
+        role, peer_gen = ident[0], ident[2]
+        if isinstance(msg, m.Error):  # logged even from a dead incarnation: it may say why it died
+            log.error("child_error %s=%d generation=%d fatal=%s message=%s", role, msg.index, msg.generation,
+                      msg.fatal, msg.message)
+            if role == "consumer" and msg.fatal:
+                self.consumer_error = msg.message
+            return
+        gen = getattr(msg, "generation", peer_gen) if role == "producer" else peer_gen
+        if peer_gen != child.generation or gen != child.generation:
             co.rejected["stale_generation"] += 1
             log.warning("reject kind=%s peer=%s generation=%s current=%d reason=stale_generation",
                         msg.KIND, sender, gen, child.generation)
@@ -179,11 +187,6 @@ class Supervisor:
         elif isinstance(msg, m.Checkpointed):
             self.last_checkpoint = {"step": msg.step, "path": msg.path}
             log.info("checkpoint step=%d path=%s", msg.step, msg.path)
-        elif isinstance(msg, m.Error):
-            log.error("child_error %s=%d generation=%d fatal=%s message=%s", role, msg.index, msg.generation,
-                      msg.fatal, msg.message)
-            if role == "consumer" and msg.fatal:
-                self.consumer_error = msg.message
         else:
             self.rejected_frames += 1
             log.warning("reject kind=%s peer=%s reason=unexpected_for_role", msg.KIND, sender)

@@ -189,8 +189,8 @@ def test_garbage_and_stale_messages_are_ignored(dataset, tmp_path):
         addr = json.loads((run_dir / "topology.json").read_text())["address"]
         ctx = zmq.Context()
         s = ctx.socket(zmq.DEALER)
-        s.setsockopt(zmq.LINGER, 0)
-        s.setsockopt(zmq.IDENTITY, b"producer-0")
+        s.setsockopt(zmq.LINGER, 2000)  # deliver what was queued before closing
+        s.setsockopt(zmq.IDENTITY, b"producer-0-g0")  # an incarnation that is not the current one
         s.connect(addr)
         s.send(b"\xc1\xff garbage")
         s.send(m.encode(m.SlotReady(producer=0, generation=0, slot=0, batch_id=3, seq=1, descriptor=[],
