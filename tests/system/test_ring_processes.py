@@ -23,7 +23,6 @@ import tempfile
 import time
 
 import pytest
-import torch
 import zmq
 
 HERE = os.path.dirname(os.path.abspath(__file__))
