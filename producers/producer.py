@@ -213,7 +213,7 @@ class Producer:
         return torch.cat([b * seq_len + torch.arange(int(n)) for b, n in enumerate(lengths.tolist())]
                          or [torch.zeros(0, dtype=torch.int64)])
 
-    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+    def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host-to-device copy that does not block the host on CUDA (staged through pinned memory)."""
         if self._cuda and t.device.type == "cpu":
             return t.pin_memory().to(self.device, non_blocking=True)
@@ -230,10 +230,10 @@ class Producer:
         if flat_index is None:
             flat_index = self.token_index(lengths.cpu(), input_ids.shape[1])
         with torch.inference_mode():
-            self.capture.token_index = self._to_device(flat_index)
+            self.capture.token_index = self.to_device(flat_index)
             with self.capture:
                 try:
-                    self.base(input_ids=self._to_device(input_ids), attention_mask=self._to_device(attention_mask),
+                    self.base(input_ids=self.to_device(input_ids), attention_mask=self.to_device(attention_mask),
                               use_cache=False)
                 except StopForward:
                     pass

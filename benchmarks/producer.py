@@ -1,0 +1,200 @@
+"""Producer benchmark: tokens/s of the producer (forward + layer capture + packing + slot write) against a
+bare forward of the same model on the same batches.
+
+``python benchmarks/producer.py --device cuda --shape qwen3-8b --batches 20 --seq-len 2048 --batch-size 4``
+(and ``--device cpu --shape tiny`` as a smoke test anywhere).
+
+The target is random-initialised from a ``Qwen3Config`` (no download, no checkpoint): ``tiny`` is the
+fixture's shape (assets/tiny-code-lm: 8 layers, H = 256), ``qwen3-8b`` Qwen3-8B's (36 layers, H = 4096,
+~8.2 B parameters, built directly on the device in the target dtype: bfloat16 on CUDA, float32 on CPU).
+Batches: ``--batch-size`` sequences of random tokens, lengths uniform in ``[seq_len/2, seq_len]``, right
+padded to the longest of the batch (as ``shared.data`` does); tokens/s counts real tokens only.
+
+Rows printed (median over ``--repeats`` rounds; in each round every method runs all batches once, the
+order of methods rotating from round to round):
+
+* ``bare_forward``: the baseline. The base model only (``model.model(...)``: no LM head, no hooks), the
+  same host-to-device input copies as the producer, one device synchronisation at the end.
+* ``producer``: what ``producers/main.py`` does when leases queue up: ``Producer.submit`` of batch k, then
+  ``complete`` of batch k-1 (the copy of k-1 into its pinned slot overlaps the forward of k), two slots
+  used in turn and released (``mark_empty``) after each publish as a consumer would.
+* ``producer_sync``: ``Producer.run_batch`` (forward, copy, wait, publish; nothing overlaps).
+* ``producer_full_depth``: as ``producer`` but without the early exit after the deepest captured layer
+  (so it also computes the layers above it, as the baseline does): isolates the cost of capture and write.
+
+Final lines: ``producer_full_depth_vs_bare_forward=<ratio>``, ``producer_sync_vs_bare_forward=<ratio>``
+and ``producer_vs_bare_forward=<ratio>`` (goal on an H200 with qwen3-8b: >= 0.95).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from producers.producer import Producer  # noqa: E402
+from producers.target import base_model, default_target_layer_ids, resolve_device, resolve_dtype  # noqa: E402
+from shared import messages, ring  # noqa: E402
+from shared.config import DEFAULT_TARGET  # noqa: E402
+
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, tie_word_embeddings=False,
+                rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+
+
+def build_model(shape: str, device: torch.device, dtype: torch.dtype):
+    """A random-initialised Qwen3 causal LM of ``shape``, created directly on ``device`` in ``dtype``."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    cfg = Qwen3Config.from_pretrained(DEFAULT_TARGET) if shape == "tiny" else Qwen3Config(**QWEN3_8B)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model, cfg
+
+
+def make_batches(n: int, batch_size: int, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
+    """``n`` right-padded batches in ``shared.data.collate``'s form (CPU tensors) plus ``batch_id``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in range(n):
+        lengths = torch.randint(max(1, seq_len // 2), seq_len + 1, (batch_size,), generator=g)
+        pad_to = int(lengths.max())
+        ids = torch.randint(0, vocab, (batch_size, pad_to), generator=g)
+        am = (torch.arange(pad_to)[None, :] < lengths[:, None]).to(torch.int64)
+        ids = ids * am
+        out.append({"input_ids": ids, "attention_mask": am, "loss_mask": am.to(torch.uint8),
+                    "lengths": lengths, "batch_id": k})
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_bare(prod: Producer, batches: list[dict]) -> None:
+    base = base_model(prod.model)
+    with torch.inference_mode():
+        for b in batches:
+            base(input_ids=prod.to_device(b["input_ids"]), attention_mask=prod.to_device(b["attention_mask"]),
+                 use_cache=False)
+
+
+def _release(prod: Producer, msg) -> None:
+    if not isinstance(msg, messages.SlotReady):
+        raise RuntimeError(f"producer did not publish: {msg}")
+    prod.ring.mark_empty(msg.slot)  # what the coordinator does once the consumer released the slot
+
+
+def run_sync(prod: Producer, batches: list[dict]) -> None:
+    for k, b in enumerate(batches):
+        _release(prod, prod.run_batch(b, slot=k % prod.ring.num_slots, seq=k))
+
+
+def run_pipelined(prod: Producer, batches: list[dict]) -> None:
+    pending = None
+    for k, b in enumerate(batches):
+        new = prod.submit(b, slot=k % prod.ring.num_slots, seq=k)
+        if pending is not None:
+            _release(prod, prod.complete(pending))
+        pending = new
+    if pending is not None:
+        _release(prod, prod.complete(pending))
+
+
+def timed(fn, prod: Producer, batches: list[dict], device: torch.device) -> float:
+    """Seconds for ``fn`` over ``batches``, from a synchronised start to a synchronised end."""
+    sync(device)
+    t0 = time.perf_counter()
+    fn(prod, batches)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--shape", choices=["tiny", "qwen3-8b"], default="tiny")
+    ap.add_argument("--batches", type=int, default=8, help="timed batches per method and round")
+    ap.add_argument("--seq-len", type=int, default=256, help="longest sequence; lengths in [seq_len/2, seq_len]")
+    ap.add_argument("--batch-size", type=int, default=4, help="sequences per batch")
+    ap.add_argument("--layers", type=int, default=5, help="number of captured layers (DFlash default ids)")
+    ap.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed batches per method before the rounds")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds; the median is reported")
+    args = ap.parse_args(argv)
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    if device.type == "cpu":
+        torch.set_flush_denormal(True)  # random weights give denormals, 3x slower on x86 CPUs otherwise
+    t0 = time.perf_counter()
+    model, cfg = build_model(args.shape, device, dtype)
+    sync(device)
+    build_s = time.perf_counter() - t0
+    layer_ids = default_target_layer_ids(cfg.num_hidden_layers, args.layers)
+    batches = make_batches(args.batches, args.batch_size, args.seq_len, cfg.vocab_size)
+    warm = make_batches(args.warmup, args.batch_size, args.seq_len, cfg.vocab_size, seed=1)
+    real_tokens = sum(int(b["lengths"].sum()) for b in batches)
+    padded_tokens = sum(b["input_ids"].numel() for b in batches)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    probe = Producer(model, layer_ids, ring=None, generation=1, device=device)  # sizes only
+    slot_bytes = probe.payload_bytes(args.batch_size * args.seq_len, args.batch_size)
+    r = ring.Ring.create(ring.segment_name(ring.new_run_id(), "bench"), num_slots=2, slot_bytes=slot_bytes)
+    try:
+        pinned = r.pin()
+        print(f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) "
+              f"shape={args.shape} params={n_params / 1e9:.2f}B dtype={str(dtype).replace('torch.', '')} "
+              f"layers={cfg.num_hidden_layers} captured={layer_ids} build_s={build_s:.1f}")
+        print(f"batches={args.batches} batch_size={args.batch_size} seq_len={args.seq_len} "
+              f"real_tokens={real_tokens} padded_tokens={padded_tokens} slot_mib={r.slot_bytes / 2**20:.1f} "
+              f"pinned={pinned} repeats={args.repeats} threads={torch.get_num_threads()}")
+        prods = {"bare_forward": Producer(model, layer_ids, r, 1, device),
+                 "producer": Producer(model, layer_ids, r, 1, device),
+                 "producer_sync": Producer(model, layer_ids, r, 1, device),
+                 "producer_full_depth": Producer(model, layer_ids, r, 1, device, stop_early=False)}
+        fns = {"bare_forward": run_bare, "producer": run_pipelined, "producer_sync": run_sync,
+               "producer_full_depth": run_pipelined}
+        names = list(fns)
+        for name in names:
+            if warm:
+                fns[name](prods[name], warm)
+        sync(device)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for rep in range(args.repeats):
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            for name in order:
+                times[name].append(timed(fns[name], prods[name], batches, device))
+        rate = {n: real_tokens / statistics.median(ts) for n, ts in times.items()}
+        for n in names:
+            spread = ", ".join(f"{real_tokens / t:,.0f}" for t in times[n])
+            print(f"{n:<20} tokens_per_s={rate[n]:,.0f}  (rounds: {spread})")
+        if device.type == "cuda":
+            print(f"gpu_mem_max_allocated_gib={torch.cuda.max_memory_allocated(device) / 2**30:.1f}")
+        bad = sum(p.stats.bad_batches for p in prods.values())
+        if bad:
+            print(f"WARNING: {bad} batches came back bad (non-finite states from random weights?)")
+        print(f"producer_full_depth_vs_bare_forward={rate['producer_full_depth'] / rate['bare_forward']:.3f}")
+        print(f"producer_sync_vs_bare_forward={rate['producer_sync'] / rate['bare_forward']:.3f}")
+        print(f"producer_vs_bare_forward={rate['producer'] / rate['bare_forward']:.3f}")
+    finally:
+        r.close()
+        r.unlink()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
