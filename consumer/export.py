@@ -1,0 +1,312 @@
+"""Export a drafter checkpoint to the serving format (``launch.py export``), and load an export back.
+
+The format is that of the public DFlash draft models, defined by z-lab/dflash ``dflash/model.py``
+(``DFlashDraftModel``, a ``Qwen3PreTrainedModel``) and read by the serving loaders SGLang
+``python/sglang/srt/models/dflash.py`` + ``speculative/dflash_utils.py`` (``parse_dflash_draft_config``)
+and vLLM ``vllm/model_executor/models/qwen3_dflash.py``. An export directory holds:
+
+* ``config.json``: a Qwen3-style config (``model_type`` = the target's, ``qwen3`` for the fixture) with
+  ``architectures: ["DFlashDraftModel"]``; the draft's sizes (``num_hidden_layers`` = *draft* layers);
+  ``block_size`` both at the top level (z-lab Qwen3 releases, SpecForge/speculators converters) and in
+  ``dflash_config`` (newer releases; SGLang reads it there first); ``dflash_config`` with
+  ``mask_token_id``, ``mask_token`` (its string, for SGLang versions that resolve the mask by name) and
+  ``target_layer_ids``; ``num_target_layers`` = the number of layers of the *target* (as in z-lab's
+  configs; SGLang checks the layer ids against it; specring's ``DFlashConfig.num_target_layers`` is the
+  number of captured layers instead); ``layer_types`` all ``full_attention`` (non-causal draft attention in
+  the reference, SGLang and vLLM alike); ``eagle_aux_hidden_state_layer_ids`` = ``target_layer_ids + 1``
+  (vLLM's capture index is the *input* of a layer; vLLM versions that read only this field need it, newer
+  ones derive the same ``+1`` from ``dflash_config``); RoPE as ``rope_theta`` and ``rope_parameters``
+  (transformers 4 and 5 forms); ``dtype``/``torch_dtype``.
+* ``model.safetensors`` (metadata ``format: pt``): the trainable weights under the reference's names
+  (``fc``, ``hidden_norm``, ``norm``, ``layers.{i}.self_attn.{q,k,v,o}_proj``, ``.{q,k}_norm``,
+  ``layers.{i}.mlp.{gate,up,down}_proj``, ``layers.{i}.{input,post_attention}_layernorm``). *No*
+  ``embed_tokens``/``lm_head``: like z-lab's released drafts, the draft borrows the target's at run time
+  (the reference calls ``target.get_input_embeddings()`` and the target's head; SGLang's draft model has
+  neither; vLLM shares the target's when the checkpoint has none).
+* ``specring_export.json``: provenance (checkpoint, step, target, dtype).
+
+Because the served draft uses the *target's* embedding and head, export refuses a checkpoint whose own
+frozen copies are missing or differ from the target's, and one whose layer ids are not recorded or do not
+fit the target: such a directory would load without error and accept nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from consumer import checkpoint as ckpt
+from consumer.dflash import EMBED_KEY, HEAD_KEY, DFlashConfig, DFlashDrafter, _rope_theta, _text_config, \
+    read_target_head
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+PROVENANCE_FILE = "specring_export.json"
+ARCHITECTURE = "DFlashDraftModel"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def reference_weight_names(num_draft_layers: int) -> set[str]:
+    """The tensor names of a DFlash draft checkpoint with ``num_draft_layers`` layers, as the public
+    definition (z-lab/dflash ``dflash/model.py``) names its parameters (rotary buffers are not saved)."""
+    names = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    per_layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                 "self_attn.q_norm", "self_attn.k_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                 "input_layernorm", "post_attention_layernorm"]
+    for i in range(num_draft_layers):
+        names.update(f"layers.{i}.{p}.weight" for p in per_layer)
+    return names
+
+
+def _target_config(target_dir: Path) -> tuple[dict, dict]:
+    path = target_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"--target: {target_dir} has no config.json (not a Hugging Face checkpoint)")
+    raw = json.loads(path.read_text())
+    return raw, _text_config(raw)
+
+
+def _mask_token_string(target_dir: Path, mask_token_id: int) -> str | None:
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(target_dir))
+        return str(tok.convert_ids_to_tokens(int(mask_token_id)))
+    except Exception as e:  # a target without a tokenizer still exports (mask by id only)
+        logger.warning("mask token string not resolved from %s: %s", target_dir, e)
+        return None
+
+
+def exported_config(dcfg: DFlashConfig, target_raw: dict, dtype: str, mask_token: str | None = None) -> dict[str, Any]:
+    """The ``config.json`` of an export (see the module docstring for every field and its source).
+
+    ``target_raw``: the target's ``config.json``; ``dtype``: ``bfloat16``/``float16``/``float32``.
+    """
+    tcfg = _text_config(target_raw)
+    n_draft = dcfg.num_hidden_layers
+    dflash_config: dict[str, Any] = {"mask_token_id": int(dcfg.mask_token_id),
+                                     "target_layer_ids": [int(i) for i in dcfg.target_layer_ids],
+                                     "block_size": int(dcfg.block_size)}
+    if mask_token:
+        dflash_config["mask_token"] = mask_token
+    cfg = {
+        "architectures": [ARCHITECTURE],
+        "model_type": dcfg.target_model_type,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "hidden_size": dcfg.hidden_size,
+        "intermediate_size": dcfg.intermediate_size,
+        "num_hidden_layers": n_draft,
+        "num_attention_heads": dcfg.num_attention_heads,
+        "num_key_value_heads": dcfg.num_key_value_heads,
+        "head_dim": dcfg.head_dim,
+        "rms_norm_eps": dcfg.rms_norm_eps,
+        "rope_theta": dcfg.rope_theta,
+        "rope_parameters": {"rope_theta": dcfg.rope_theta, "rope_type": "default"},
+        "rope_scaling": None,
+        "max_position_embeddings": dcfg.max_position_embeddings,
+        "vocab_size": dcfg.vocab_size,
+        "tie_word_embeddings": dcfg.tie_word_embeddings,
+        "initializer_range": dcfg.initializer_range,
+        "layer_types": ["full_attention"] * n_draft,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": n_draft,
+        "block_size": int(dcfg.block_size),
+        "dflash_config": dflash_config,
+        "num_target_layers": int(tcfg["num_hidden_layers"]),
+        "eagle_aux_hidden_state_layer_ids": [int(i) + 1 for i in dcfg.target_layer_ids],
+        "dtype": dtype,
+        "torch_dtype": dtype,
+    }
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in tcfg or key in target_raw:
+            cfg[key] = tcfg.get(key, target_raw.get(key))
+    try:
+        import transformers
+        cfg["transformers_version"] = transformers.__version__
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        pass
+    return cfg
+
+
+def config_from_exported(cfg: dict[str, Any]) -> DFlashConfig:
+    """The ``DFlashConfig`` of an export's ``config.json``. Raises ``ValueError`` naming a missing field."""
+    dfc = cfg.get("dflash_config") or {}
+    ids = dfc.get("target_layer_ids", cfg.get("target_layer_ids"))
+    if not ids:
+        raise ValueError("config.json: dflash_config.target_layer_ids missing")
+    mask = dfc.get("mask_token_id", cfg.get("mask_token_id"))
+    if mask is None:
+        raise ValueError("config.json: dflash_config.mask_token_id missing")
+    try:
+        heads = int(cfg["num_attention_heads"])
+        return DFlashConfig(
+            hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]), num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(cfg),
+            vocab_size=int(cfg["vocab_size"]), max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            target_layer_ids=[int(i) for i in ids], num_target_layers=len(ids),
+            block_size=int(dfc.get("block_size", cfg.get("block_size", 16))), mask_token_id=int(mask),
+            target_model_type=str(cfg.get("model_type", "qwen3")),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            initializer_range=float(cfg.get("initializer_range", 0.02)))
+    except KeyError as e:
+        raise ValueError(f"config.json: field {e.args[0]!r} missing") from None
+
+
+def _check_checkpoint(step_dir: Path, target_dir: Path) -> tuple[DFlashDrafter, dict]:
+    """Load the checkpoint's drafter after every refusal check; returns ``(drafter, target_raw_config)``."""
+    tensors, _, raw_cfg = ckpt.load_checkpoint(step_dir)
+    if not raw_cfg.get("target_layer_ids"):
+        raise ValueError(f"checkpoint {step_dir}: target_layer_ids not recorded in {ckpt.CONFIG_FILE}; "
+                         "refusing to export a drafter whose capture layers are unknown")
+    missing = [k for k in (EMBED_KEY, HEAD_KEY) if k not in tensors]
+    if missing:
+        raise ValueError(f"checkpoint {step_dir}: {missing} missing; refusing to export a drafter whose "
+                         "embedding/LM head cannot be checked against the target's")
+    drafter = ckpt.load_drafter(step_dir, device="cpu", dtype=torch.float32)
+    dcfg = drafter.config
+    target_raw, tcfg = _target_config(target_dir)
+    num_layers = int(tcfg["num_hidden_layers"])
+    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"checkpoint {step_dir}: target_layer_ids {bad} do not exist in the {num_layers}-layer "
+                         f"target {target_dir}")
+    for field, theirs in (("hidden_size", tcfg.get("hidden_size")), ("vocab_size", tcfg.get("vocab_size"))):
+        if int(theirs) != getattr(dcfg, field):
+            raise ValueError(f"checkpoint {step_dir}: {field} {getattr(dcfg, field)} != target's {theirs} "
+                             f"({target_dir})")
+    embed, head = read_target_head(target_dir, dcfg.tie_word_embeddings)
+    head = embed if head is None else head
+    for key, theirs in ((EMBED_KEY, embed), (HEAD_KEY, head)):
+        mine = tensors[key]
+        if mine.shape != theirs.shape or not torch.equal(mine.float(), theirs.float()):
+            raise ValueError(f"checkpoint {step_dir}: {key} differs from the target's in {target_dir}; the "
+                             "served draft would use the target's and accept nothing (wrong --target?)")
+    return drafter, target_raw
+
+
+def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: str | Path | None = None,
+                   dtype: str = "auto", overwrite: bool = False) -> Path:
+    """Write the serving directory for ``checkpoint`` (step, checkpoints or run directory) to ``output_dir``.
+
+    ``target_dir``: the target (default: the run's, from ``run_dir/config.json``, else the fixture);
+    ``dtype``: ``auto`` (the target's ``dtype``, else bfloat16), ``bfloat16``, ``float16`` or ``float32``.
+    The directory is written under a temporary name and renamed into place. Raises ``FileNotFoundError``
+    (no checkpoint, no target), ``FileExistsError`` (a non-empty ``output_dir`` without ``overwrite``) and
+    ``ValueError`` for every refusal listed in the module docstring. Returns ``output_dir``.
+    """
+    from consumer.evaluate import target_of_checkpoint
+    from shared.config import DEFAULT_TARGET
+
+    step_dir = ckpt.resolve_checkpoint(checkpoint)
+    target = Path(target_dir or target_of_checkpoint(step_dir) or DEFAULT_TARGET)
+    out = Path(output_dir)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"--output: {out} exists and is not empty (pass --overwrite)")
+    drafter, target_raw = _check_checkpoint(step_dir, target)
+    if dtype == "auto":
+        dtype = str(_text_config(target_raw).get("dtype") or target_raw.get("torch_dtype") or "bfloat16")
+        dtype = dtype if dtype in DTYPES else "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    weights = {k: v.to(DTYPES[dtype]).contiguous() for k, v in drafter.trainable_state_dict().items()}
+    expected = reference_weight_names(drafter.config.num_hidden_layers)
+    assert set(weights) == expected, f"weight names drifted from the reference: {set(weights) ^ expected}"
+    cfg = exported_config(drafter.config, target_raw, dtype, _mask_token_string(target, drafter.config.mask_token_id))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / PROVENANCE_FILE).write_text(json.dumps({
+            "exported_by": "specring", "checkpoint": str(step_dir.resolve()), "step_dir": step_dir.name,
+            "target": str(target.resolve()), "dtype": dtype,
+            "note": "embed_tokens/lm_head are not included: the draft uses the target's (checked equal at export)",
+        }, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("export written path=%s checkpoint=%s target=%s dtype=%s tensors=%d", out, step_dir, target,
+                dtype, len(weights))
+    return out
+
+
+def load_exported(export_dir: str | Path, target_dir: str | Path, device: str | torch.device = "cpu",
+                  dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    """A ``DFlashDrafter`` (eval mode) from an export directory, with the frozen head read from ``target_dir``.
+
+    Raises ``FileNotFoundError`` for missing files and ``ValueError`` naming missing/unexpected tensors or a
+    ``num_target_layers`` that does not match the target.
+    """
+    export_dir, target_dir = Path(export_dir), Path(target_dir)
+    cfg = json.loads((export_dir / CONFIG_FILE).read_text())
+    if ARCHITECTURE not in (cfg.get("architectures") or []):
+        raise ValueError(f"{export_dir}/{CONFIG_FILE}: architectures {cfg.get('architectures')} lack {ARCHITECTURE}")
+    dcfg = config_from_exported(cfg)
+    _, tcfg = _target_config(target_dir)
+    if "num_target_layers" in cfg and int(cfg["num_target_layers"]) != int(tcfg["num_hidden_layers"]):
+        raise ValueError(f"{export_dir}: num_target_layers {cfg['num_target_layers']} != the target's "
+                         f"{tcfg['num_hidden_layers']} layers ({target_dir})")
+    model = DFlashDrafter(dcfg).to(dtype=dtype)
+    with safe_open(str(export_dir / WEIGHTS_FILE), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    expected = set(model.trainable_state_dict())
+    if set(tensors) != expected:
+        raise ValueError(f"{export_dir}/{WEIGHTS_FILE}: missing {sorted(expected - set(tensors))}, "
+                         f"unexpected {sorted(set(tensors) - expected)}")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in tensors:
+                p.copy_(tensors[name].to(p.dtype))
+    model.load_target_head(target_dir)
+    return model.to(device).eval()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="launch.py export", description=(
+        "Write a drafter checkpoint as a DFlashDraftModel directory (config.json + model.safetensors) that "
+        "the SGLang and vLLM DFlash loaders accept."))
+    p.add_argument("--drafter", required=True, help="checkpoint step directory or run directory (latest checkpoint)")
+    p.add_argument("--output", required=True, help="directory to write")
+    p.add_argument("--target", help="target checkpoint (default: the run's target, else assets/tiny-code-lm)")
+    p.add_argument("--dtype", default="auto", help="auto (the target's), bfloat16, float16 or float32")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``launch.py export``: 0 on success, 2 when the checkpoint is refused or a flag is wrong."""
+    from shared.procs import configure_logging
+
+    args = build_parser().parse_args(argv)
+    configure_logging("export")
+    try:
+        out = export_drafter(args.drafter, args.output, args.target, args.dtype, args.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg = json.loads((out / CONFIG_FILE).read_text())
+    print(f"exported {out}: {cfg['num_hidden_layers']} draft layers, block_size {cfg['block_size']}, "
+          f"target_layer_ids {cfg['dflash_config']['target_layer_ids']}, dtype {cfg['dtype']}")
+    print(f"serve (SGLang): --speculative-algorithm DFLASH --speculative-draft-model-path {out}")
+    return 0
