@@ -277,6 +277,7 @@ class Producer:
         try:
             hidden = self.forward(ids, am, lengths, flat)
         except torch.cuda.OutOfMemoryError as e:
+            self.capture.clear()
             torch.cuda.empty_cache()
             pending.bad_reason = f"batch {bid}: out of GPU memory in the target forward ({num_tokens} tokens): {e}"
             log.error("bad_batch batch_id=%d reason=oom tokens=%d", bid, num_tokens)
@@ -336,7 +337,8 @@ class Producer:
                                       payload_bytes=pending.payload_bytes, num_tokens=pending.num_tokens,
                                       checksum=crc)
         finally:
-            self.current_batch = -1
+            if self.current_batch == pending.batch_id:  # a later batch may already be in flight
+                self.current_batch = -1
 
     def _nonfinite_reason(self, pending: Pending) -> str:
         """Which layers hold non-finite values (read back from the slot: rare, so CPU time is fine)."""

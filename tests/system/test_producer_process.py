@@ -206,7 +206,6 @@ def test_producer_serves_leases_through_a_real_ring(model):
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("producer_cfg,needle", [
     (ProducerConfig(devices=["cuda:7"]), "cuda:7"),
-    (ProducerConfig(devices=["cpu"], target="/nonexistent/specring-model"), "/nonexistent/specring-model"),
     (ProducerConfig(devices=["cpu"], target_layer_ids=[1, 8]), "[8]"),
 ])
 def test_startup_errors_are_reported_and_exit_nonzero(producer_cfg, needle):
@@ -218,5 +217,28 @@ def test_startup_errors_are_reported_and_exit_nonzero(producer_cfg, needle):
         assert not any(isinstance(m, messages.Hello) for m in co.seen), "Hello is only said once ready to serve"
         assert err.fatal and err.role == "producer" and needle in err.message, err.message
         assert co.proc.wait(timeout=15) == procs.EXIT_ERROR
+    finally:
+        co.close()
+
+
+@pytest.mark.timeout(90)
+def test_sigkill_while_writing_leaves_the_slot_unpublished():
+    """SPECRING_SLOW_WRITE_S holds the slot WRITING; a producer killed then never publishes it."""
+    co = FakeCoordinator(ProducerConfig(devices=["cpu"], target_layer_ids=LAYER_IDS), generation=1,
+                         env={"SPECRING_SLOW_WRITE_S": "60"})
+    try:
+        co.recv(messages.Hello)
+        co.lease(1, 1, [0, 2])
+        deadline = time.monotonic() + WAIT_S
+        while co.ring.header(1).state != ring.WRITING:
+            assert time.monotonic() < deadline, "the slot never became WRITING"
+            assert co.proc.poll() is None, co.log_text()
+            time.sleep(0.05)
+        procs.kill_group(co.proc)
+        assert co.proc.wait(timeout=10) == -9
+        h = co.ring.header(1)
+        assert (h.state, h.batch_id, h.generation) == (ring.WRITING, 1, 1)
+        while (got := channel.recv_from(co.sock, timeout_s=0.3)) is not None:
+            assert not isinstance(got[1], messages.SlotReady), "a killed writer must not have published"
     finally:
         co.close()

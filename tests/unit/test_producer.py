@@ -239,3 +239,23 @@ def test_parse_batch_ids():
     assert parse_batch_ids("3, 17,42,") == {3, 17, 42}
     with pytest.raises(ConfigError, match="'x'"):
         parse_batch_ids("3,x")
+
+
+def test_slow_write_env_is_parsed_and_checked(monkeypatch):
+    from producers.main import SLOW_WRITE_ENV, slow_write_from_env
+    monkeypatch.delenv(SLOW_WRITE_ENV, raising=False)
+    assert slow_write_from_env() == 0.0
+    monkeypatch.setenv(SLOW_WRITE_ENV, "0.25")
+    assert slow_write_from_env() == 0.25
+    for bad in ("soon", "-1"):
+        monkeypatch.setenv(SLOW_WRITE_ENV, bad)
+        with pytest.raises(ConfigError, match=SLOW_WRITE_ENV):
+            slow_write_from_env()
+
+
+def test_slow_write_holds_the_slot_before_publishing(model, slot_ring):
+    p = Producer(model, [1], slot_ring, generation=1, device="cpu", slow_write_s=0.3)
+    pending = p.submit(make_batch(sequences([4]), 4, 1), slot=0, seq=0)
+    assert slot_ring.header(0).state == ring.WRITING, "written but not yet published"
+    msg = p.complete(pending)
+    assert isinstance(msg, messages.SlotReady) and slot_ring.header(0).state == PUBLISHED
