@@ -161,7 +161,7 @@ class Producer:
         num_layers = getattr(check_checkpoint(cfg.target), "num_hidden_layers", None)
         if isinstance(num_layers, int):  # fail on bad ids before spending time on the weights
             resolve_layer_ids(num_layers, cfg.target_layer_ids, cfg.num_target_layers)
-        model, hf_config = load_target(cfg.target, cfg.devices[index], cfg.dtype)
+        model, hf_config = load_target(cfg.target, cfg.devices[index], cfg.dtype, random_weights=cfg.random_weights)
         ids = resolve_layer_ids(num_decoder_layers(model), cfg.target_layer_ids, cfg.num_target_layers)
         if inject_nonfinite is None:
             inject_nonfinite = parse_batch_ids(os.environ.get(INJECT_ENV))

@@ -157,11 +157,16 @@ def check_checkpoint(path: str | Path):
                           f"{type(e).__name__}: {e}") from None
 
 
-def load_target(path: str | Path, device: str | torch.device, dtype: str | torch.dtype = "auto"):
+def load_target(path: str | Path, device: str | torch.device, dtype: str | torch.dtype = "auto",
+                random_weights: bool = False):
     """Load a local Hugging Face causal LM for inference; returns ``(model, hf_config)``.
 
     ``model`` is an ``AutoModelForCausalLM`` in eval mode with gradients off, on ``device`` in ``dtype``
     (``"auto"``: bfloat16 on CUDA, float32 on CPU), loaded from safetensors only, never from the network.
+
+    ``random_weights=True`` (benchmarks of large shapes without their weights): the model is built from
+    ``config.json`` with random weights directly on ``device``, then every tensor the checkpoint does hold
+    (typically the embedding and LM head, which the drafter shares) is copied in.
 
     Raises ``ConfigError`` naming the problem: a missing directory, no ``config.json``, a checkpoint that is
     not a causal LM, no safetensors weights, weights that fail to load, a device that does not exist, or a
@@ -174,6 +179,8 @@ def load_target(path: str | Path, device: str | torch.device, dtype: str | torch
     torch_dtype = resolve_dtype(dtype, dev)
     p = Path(path).expanduser()
     hf_config = check_checkpoint(p)
+    if random_weights:
+        return _random_target(p, hf_config, dev, torch_dtype), hf_config
     kwargs = dict(dtype=torch_dtype, local_files_only=True, use_safetensors=True)
     direct = dev.type == "cuda" and is_accelerate_available()
     if direct:
@@ -190,6 +197,32 @@ def load_target(path: str | Path, device: str | torch.device, dtype: str | torch
     log.info("target loaded path=%s device=%s dtype=%s layers=%d hidden=%d", p, dev, torch_dtype,
              num_decoder_layers(model), hidden_size(model))
     return model, hf_config
+
+
+def _random_target(path: Path, hf_config, dev: torch.device, dtype: torch.dtype):
+    """A causal LM of ``hf_config``'s shape with random weights on ``dev``, plus the checkpoint's own tensors."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(dev):
+            model = AutoModelForCausalLM.from_config(hf_config)
+    finally:
+        torch.set_default_dtype(previous)
+    state = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt", device=str(dev)) as sf:
+            for k in sf.keys():
+                state[k] = sf.get_tensor(k).to(dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    model.to(dtype).eval()
+    model.requires_grad_(False)
+    decoder_layers(model)
+    log.info("target random_weights=True path=%s device=%s dtype=%s loaded_tensors=%d random_tensors=%d unexpected=%s",
+             path, dev, dtype, len(state) - len(unexpected), len(missing), list(unexpected)[:5])
+    return model
 
 
 # ------------------------------------------------------------------------------------------------ structure

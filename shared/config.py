@@ -65,6 +65,7 @@ class ProducerConfig:
     dtype: str = "auto"                # auto = bfloat16 on CUDA, float32 on CPU
     target_layer_ids: list[int] | None = None  # DFlash convention: id i = output of decoder layer i
     num_target_layers: int = 5         # used when target_layer_ids is None
+    random_weights: bool = False       # benchmarks: random target weights of the checkpoint's shape
 
     def __post_init__(self):
         _require(len(self.devices) >= 1, "producers", "at least one producer device is needed")

@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--config", default=None, help="TOML or YAML file with the sections of RunConfig")
     ap.add_argument("--plan", action="store_true", help="print the resolved topology and sizes, start nothing")
     ap.add_argument("--checksum", action="store_true", default=None, help="CRC32 every slot payload and verify it")
+    ap.add_argument("--random-target-weights", action="store_true", default=None,
+                    help="benchmarks: build the target from its config.json with random weights (the checkpoint's "
+                         "own tensors, e.g. embedding and LM head, are still loaded)")
     ap.add_argument("--tcp", default=None, help="use TCP (e.g. tcp://127.0.0.1:5555) instead of an ipc socket")
     return ap
 
@@ -146,6 +149,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         base["ring"]["checksum"] = True
     if args.tcp:
         base["tcp"] = args.tcp
+    if args.random_target_weights:
+        base["producer"]["random_weights"] = True
     base["resume"] = bool(args.resume)
     if base["data"].get("seed") in (None, 0) and args.seed is not None:
         base["data"]["seed"] = args.seed
