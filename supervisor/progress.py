@@ -18,7 +18,7 @@ class Progress:
     def __init__(self, total_steps: int, num_producers: int, mininterval_s: float = 1.0):
         self.step = 0
         self.loss: float | None = None
-        interactive = sys.stderr.isatty()
+        interactive = self.interactive = sys.stderr.isatty()
         self.bar = tqdm(total=total_steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
                         mininterval=mininterval_s if interactive else 10.0, leave=True)
 
@@ -36,7 +36,7 @@ class Progress:
         restarts = sum(p.restarts for p in producers)
         loss = f"{self.loss:.3f}" if self.loss is not None else "-"
         self.bar.set_postfix_str(f"loss={loss} tok/s={tokens_per_s:,.0f} rings[F/W/R/r]={rings} restarts={restarts}",
-                                 refresh=True)
+                                 refresh=self.interactive)
 
     def close(self) -> None:
         self.bar.close()

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Every GPU figure of one device session, in one command (device time is scarce): transport, producer,
+# trainer, and end-to-end launcher runs (fixture; Qwen3-8B-shaped random target) with a producer killed.
+# Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_session.sh [steps...]
+set -u
+OUT=${OUT:-/tmp/specring-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+LOG="$OUT/gpu_session.log"
+NG=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+C=$([ "$NG" -ge 2 ] && echo cuda:1 || echo cuda:0)
+{ nvidia-smi -L; python3 -c 'import torch, transformers, zmq; print("torch", torch.__version__, "transformers", transformers.__version__, "zmq", zmq.__version__, "gpus", torch.cuda.device_count())'; } 2>&1 | tee -a "$LOG"
+step() {  # step NAME TIMEOUT_S CMD...
+  local name=$1 t=$2; shift 2
+  echo "=== $name: $*" | tee -a "$LOG"
+  local s=$(date +%s)
+  timeout "$t" "$@" > "$OUT/$name.txt" 2>&1; local rc=$?
+  echo "=== $name rc=$rc wall_s=$(( $(date +%s) - s ))" | tee -a "$LOG"
+  grep -E "=|tokens_per_s|GB/s|rc=" "$OUT/$name.txt" | tail -n 40 >> "$LOG"
+}
+STEPS="$*"
+has() { [ -z "$STEPS" ] || [[ " $STEPS " == *" $1 "* ]]; }
+has transport && step transport 100 python3 benchmarks/transport.py --quick
+has producer && step producer 150 python3 benchmarks/producer.py --device cuda:0 --shape qwen3-8b --batches 8 --seq-len 2048 --batch-size 4 --repeats 2
+has trainer && step trainer 120 python3 benchmarks/trainer.py --device cuda:0 --shape qwen3-8b --seq-len 2048 --num-anchors 512 --steps 5
+has fixture && step e2e_fixture 150 python3 benchmarks/e2e.py --run-dir runs/gpu-fixture --kill-at-s 15 -- --max-steps 300
+if has qwen; then
+  python3 benchmarks/random_target.py --output /tmp/qwen3-8b-random > /dev/null
+  step e2e_qwen3_8b 240 python3 benchmarks/e2e.py --run-dir runs/gpu-qwen --kill-at-s 30 -- --target /tmp/qwen3-8b-random \
+    --random-target-weights --producers cuda:0 --consumers "$C" --max-tokens 16384 --max-batch-size 16 \
+    --num-anchors 512 --max-steps 60 --checkpoint-every 1000 --hang-timeout-s 120
+fi
+echo "done" | tee -a "$LOG"
