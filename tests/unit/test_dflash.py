@@ -215,3 +215,31 @@ def test_rope_matches_hf_qwen3():
     c2, s2 = dflash.rope_cos_sin(pos[0], 64, 10000.0)
     ours = dflash.apply_rope(x[0], c2, s2)
     assert torch.allclose(ours, ref[0], atol=1e-5)
+
+
+@torch.no_grad()
+def test_decoder_layer_matches_hf_qwen3_layer(cfg):
+    """Without context and with a causal mask, a draft layer is exactly a Qwen3 decoder layer: this pins
+    RMSNorm, q/k norm, RoPE, GQA, SwiGLU and the residual structure to the target family's definition."""
+    from transformers import AutoConfig
+    from transformers.models.qwen3 import modeling_qwen3 as mq
+
+    conf = AutoConfig.from_pretrained(str(TARGET))
+    conf._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    ours = dflash.DFlashDecoderLayer(cfg)
+    for p in ours.parameters():
+        p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    ref = mq.Qwen3DecoderLayer(conf, layer_idx=0)
+    ref.load_state_dict(ours.state_dict(), strict=True)
+    q = 7
+    x = torch.randn(1, q, 256)
+    pos = torch.arange(10, 10 + q)
+    causal = torch.ones(q, q, dtype=torch.bool).tril()
+    cos, sin = mq.Qwen3RotaryEmbedding(conf)(x, pos[None])
+    want = ref(x, attention_mask=causal[None, None], position_ids=pos[None], position_embeddings=(cos, sin))
+    want = want[0] if isinstance(want, tuple) else want
+    c2, s2 = dflash.rope_cos_sin(pos, 64, cfg.rope_theta)
+    empty = torch.empty(2, 0, 64)
+    got = ours(x[0], (empty, empty), c2, s2, causal)
+    assert torch.allclose(got, want[0], atol=1e-5), (got - want[0]).abs().max()

@@ -1,0 +1,175 @@
+"""Drafter checkpoints on disk: one directory per step, written atomically, and a ``latest`` pointer.
+
+Layout (``checkpoints_dir`` is normally ``run_dir/checkpoints``)::
+
+    checkpoints/
+      step-000100/
+        drafter.safetensors   trainable weights under their export names + embed_tokens.weight, lm_head.weight
+        trainer_state.pt      optimizer, scheduler, RNG states, step, trained batch ids (torch.save)
+        dflash_config.json    DFlashConfig.to_dict()
+      latest                  text: the name of the newest complete step directory ("step-000100")
+
+What is guaranteed:
+
+* A step directory is complete or absent: it is written under a temporary name, every file is fsynced,
+  and the directory is renamed into place; only then is ``latest`` replaced, itself through a temporary
+  file and ``os.replace``. A crash at any moment leaves ``latest`` naming a complete checkpoint (or no
+  ``latest`` at all). Left-over temporary directories (``.step-*.tmp-*``) are removed by the next save.
+* ``load_checkpoint`` accepts a step directory, a checkpoints directory (follows ``latest``) or a run
+  directory (follows ``checkpoints/latest``).
+
+Not guaranteed: concurrent writers. Only one process (rank 0) saves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from consumer.dflash import EMBED_KEY, HEAD_KEY, DFlashConfig, DFlashDrafter
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "drafter.safetensors"
+STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "dflash_config.json"
+LATEST_FILE = "latest"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{int(step):06d}"
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(checkpoints_dir: str | Path, step: int, tensors: dict[str, torch.Tensor],
+                    trainer_state: dict[str, Any], config: dict[str, Any], keep_last: int | None = None) -> Path:
+    """Write ``step-{step:06d}/`` atomically and point ``latest`` at it; return the step directory.
+
+    ``tensors``: name -> tensor (copied to CPU; tied tensors are stored as separate copies).
+    ``keep_last``: when set, older step directories beyond the newest ``keep_last`` are removed.
+    """
+    root = Path(checkpoints_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".step-*.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    name = step_dir_name(step)
+    final = root / name
+    tmp = root / f".{name}.tmp-{os.getpid()}"
+    tmp.mkdir()
+    cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    save_file(cpu, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "step": str(step)})
+    torch.save(trainer_state, tmp / STATE_FILE)
+    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for f in (WEIGHTS_FILE, STATE_FILE, CONFIG_FILE):
+        _fsync_file(tmp / f)
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving a step (after a resume): move the old one aside first
+        old = root / f".{name}.tmp-old-{os.getpid()}"
+        os.replace(final, old)
+        shutil.rmtree(old, ignore_errors=True)
+    os.replace(tmp, final)
+    ptr_tmp = root / f".{LATEST_FILE}.tmp-{os.getpid()}"
+    ptr_tmp.write_text(name + "\n")
+    _fsync_file(ptr_tmp)
+    os.replace(ptr_tmp, root / LATEST_FILE)
+    _fsync_dir(root)
+    logger.info("checkpoint saved step=%d path=%s", step, final)
+    if keep_last:
+        steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+        for p in steps[:-keep_last]:
+            shutil.rmtree(p, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
+    """The step directory ``latest`` names, or None when there is no ``latest``."""
+    root = Path(checkpoints_dir)
+    ptr = root / LATEST_FILE
+    if not ptr.is_file():
+        return None
+    path = root / ptr.read_text().strip()
+    if not (path / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{ptr} names {path.name}, which has no {WEIGHTS_FILE}")
+    return path
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A step directory from a step directory, a checkpoints directory or a run directory.
+
+    Raises ``FileNotFoundError`` naming the path when none of these applies.
+    """
+    p = Path(path)
+    if (p / WEIGHTS_FILE).is_file():
+        return p
+    for root in (p, p / "checkpoints"):
+        found = latest_checkpoint(root) if (root / LATEST_FILE).is_file() else None
+        if found is not None:
+            return found
+    raise FileNotFoundError(f"no checkpoint at {p} (no {WEIGHTS_FILE}, no latest, no checkpoints/latest)")
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu"
+                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """``(tensors, trainer_state, dflash_config_dict)`` of the checkpoint at ``path`` (see ``resolve_checkpoint``)."""
+    step_dir = resolve_checkpoint(path)
+    tensors: dict[str, torch.Tensor] = {}
+    with safe_open(str(step_dir / WEIGHTS_FILE), framework="pt", device=str(map_location)) as f:
+        for k in f.keys():
+            tensors[k] = f.get_tensor(k)
+    state_path = step_dir / STATE_FILE
+    state = torch.load(state_path, map_location=map_location, weights_only=False) if state_path.is_file() else {}
+    config = json.loads((step_dir / CONFIG_FILE).read_text())
+    return tensors, state, config
+
+
+def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 require_head: bool = True) -> DFlashDrafter:
+    """Rebuild a drafter (eval mode) from a checkpoint, frozen head included.
+
+    Raises ``ValueError`` when the checkpoint lacks ``embed_tokens.weight``/``lm_head.weight`` and
+    ``require_head`` is true (export and evaluation must never run with a head that is not the target's),
+    or when trainable weights are missing or unexpected.
+    """
+    tensors, _, config = load_checkpoint(path)
+    dcfg = DFlashConfig.from_dict(config)
+    missing_head = [k for k in (EMBED_KEY, HEAD_KEY) if k not in tensors]
+    if missing_head and require_head:
+        raise ValueError(f"checkpoint {resolve_checkpoint(path)} lacks {missing_head}: cannot use a drafter "
+                         "without the target's embedding and LM head")
+    model = DFlashDrafter(dcfg).to(dtype=dtype)
+    trainable = {k: v for k, v in tensors.items() if k not in (EMBED_KEY, HEAD_KEY)}
+    expected = set(model.trainable_state_dict())
+    if set(trainable) != expected:
+        raise ValueError(f"checkpoint weights do not match the config: missing {sorted(expected - set(trainable))}, "
+                         f"unexpected {sorted(set(trainable) - expected)}")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in trainable:
+                p.copy_(trainable[name].to(p.dtype))
+    if not missing_head:
+        tied = dcfg.tie_word_embeddings and torch.equal(tensors[EMBED_KEY], tensors[HEAD_KEY])
+        model.load_frozen(tensors[EMBED_KEY], None if tied else tensors[HEAD_KEY])
+    return model.to(device).eval()

@@ -1,0 +1,461 @@
+"""The DFlash training logic, steppable in-process: ``Trainer.step(batch, batch_ids)``; no sockets.
+
+``consumer/main.py`` (the process) copies a slot's tensors to the device, releases the slot and calls
+``step``; tests call it directly. One ``Trainer`` per data-parallel rank.
+
+What a step does (DFlash paper, training section; SpecForge ``specforge/core/dflash.py`` for the same
+loss): sample anchors (``consumer/blocks.py``), build blocks, run the drafter over groups of sequences
+whose dense attention mask stays under ``max_mask_elems``, and back-propagate the *unnormalised*
+weighted cross-entropy ``sum_k w_k * CE_k``. Every ``grad_accum`` micro-batches the optimizer step
+divides the gradients by the sum of weights of the whole window over the whole data-parallel group
+(``all_reduce``), so the update is exactly that of one process on the union of the batches, however they
+fall on ranks and micro-batches.
+
+Guarantees:
+
+* Anchors are drawn from a generator seeded by ``(seed, batch_ids)``: a batch always gets the same
+  anchors, on any rank, after any resume.
+* Initial weights come from ``torch.manual_seed(seed)`` on the CPU, identical on every rank and device.
+* Gradients are all-reduced as one flat float32 buffer, statistics as one float64 vector; every rank
+  takes the same decision (step or skip) from the reduced values and ends with identical weights.
+* A window whose loss or gradient norm is not finite is skipped on every rank (no optimizer update; the
+  step counter and the schedule still advance, the batch ids are recorded as skipped and logged);
+  ``max_nonfinite_in_row`` such windows in a row raise ``BadBatch``.
+* ``state_dict()`` holds everything a resume needs; resuming from a checkpoint reproduces the loss
+  trajectory and weights of an uninterrupted run (CPU, same thread count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from consumer import checkpoint as ckpt
+from consumer.blocks import block_loss, build_attention_mask, build_block_batch, loss_weights, sample_anchors, \
+    split_sequences
+from consumer.dflash import EMBED_KEY, HEAD_KEY, DFlashConfig, DFlashDrafter
+from shared.config import RunConfig, TrainerConfig
+from shared.errors import BadBatch
+
+logger = logging.getLogger(__name__)
+
+BATCH_KEYS = ("hidden", "input_ids", "loss_mask", "cu_seqlens")
+
+
+def dflash_config_from_run(run: RunConfig) -> DFlashConfig:
+    """The drafter config of a run: target and captured layers from ``run.producer``, block size, mask
+    token and draft depth from ``run.trainer``."""
+    p, t = run.producer, run.trainer
+    return DFlashConfig.from_target(p.target, p.target_layer_ids, block_size=t.block_size,
+                                    mask_token_id=t.mask_token_id, num_draft_layers=t.num_draft_layers,
+                                    num_target_layers=p.num_target_layers)
+
+
+def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Linear warm-up over ``warmup_steps`` (from ``1/warmup``), then cosine from 1 to ``min_lr_ratio``
+    at ``total_steps``; constant ``min_lr_ratio`` after it."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def anchor_seed(seed: int, batch_ids: list[int]) -> int:
+    """63-bit generator seed from the run seed and the batch ids (stable across processes and versions)."""
+    h = hashlib.sha256(f"{int(seed)}:{','.join(str(int(b)) for b in batch_ids)}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
+
+
+def check_batch(batch: dict[str, torch.Tensor], dcfg: DFlashConfig) -> int:
+    """Validate a packed batch; return its token count ``T``. Raises ``BadBatch`` naming the field."""
+    for k in BATCH_KEYS:
+        if k not in batch:
+            raise BadBatch(f"batch: field {k!r} missing (have {sorted(batch)})")
+    hidden, ids, lm, cu = (batch[k] for k in BATCH_KEYS)
+    t = ids.shape[0]
+    width = dcfg.num_target_layers * dcfg.hidden_size
+    if hidden.dim() != 2 or hidden.shape != (t, width):
+        raise BadBatch(f"batch: hidden has shape {tuple(hidden.shape)}, expected ({t}, {width}) "
+                       f"({dcfg.num_target_layers} layers x {dcfg.hidden_size})")
+    if ids.dim() != 1 or lm.shape != ids.shape:
+        raise BadBatch(f"batch: input_ids {tuple(ids.shape)} and loss_mask {tuple(lm.shape)} must be equal 1-D")
+    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != t:
+        raise BadBatch(f"batch: cu_seqlens must run from 0 to {t}, got {cu.tolist()[:4]}...{cu.tolist()[-2:]}")
+    if t and (int(ids.min()) < 0 or int(ids.max()) >= dcfg.vocab_size):
+        raise BadBatch(f"batch: input_ids outside 0..{dcfg.vocab_size - 1}")
+    return t
+
+
+class Trainer:
+    """DFlash trainer of one data-parallel rank (see the module docstring).
+
+    ``cfg``: ``TrainerConfig``; ``dcfg``: ``DFlashConfig``; ``target_dir``: target checkpoint (embedding
+    and LM head are read from it); ``device``: ``"cpu"`` or ``"cuda:N"``; ``run_dir``: where
+    ``metrics.jsonl`` and ``checkpoints/`` live. With ``world_size > 1``, ``torch.distributed`` must be
+    initialised (gloo on CPU, NCCL on GPU) and ``process_group`` (default: the world) spans the consumers.
+
+    Keyword options: ``total_steps`` (schedule length; default ``cfg.max_steps``), ``max_mask_elems``
+    (dense mask budget per forward, default 2**27), ``write_metrics`` (rank 0 writes ``metrics.jsonl``),
+    ``keep_last`` (checkpoints kept; None = all).
+    """
+
+    def __init__(self, cfg: TrainerConfig, dcfg: DFlashConfig, target_dir: str | Path, device: str | torch.device,
+                 run_dir: str | Path, rank: int = 0, world_size: int = 1, process_group=None, *,
+                 total_steps: int | None = None, max_mask_elems: int = 2 ** 27, write_metrics: bool = True,
+                 keep_last: int | None = None):
+        if dcfg.block_size != cfg.block_size:
+            raise ValueError(f"block_size: trainer {cfg.block_size} != drafter config {dcfg.block_size}")
+        self.cfg, self.dcfg = cfg, dcfg
+        self.device = torch.device(device)
+        self.run_dir = Path(run_dir)
+        self.rank, self.world_size, self.pg = rank, world_size, process_group
+        if world_size > 1 and not dist.is_initialized():
+            raise ValueError("world_size > 1 needs torch.distributed initialised first")
+        self.total_steps = int(total_steps or cfg.max_steps)
+        self.max_mask_elems = int(max_mask_elems)
+        self.keep_last = keep_last
+        self.target_dir = Path(target_dir)
+
+        torch.manual_seed(cfg.seed)
+        self.model: DFlashDrafter = DFlashDrafter(dcfg)  # initialised on the CPU: same weights everywhere
+        self.model.load_target_head(target_dir)
+        self.model.to(self.device).train()
+        self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
+        decay = [p for p in self.params if p.dim() >= 2]
+        no_decay = [p for p in self.params if p.dim() < 2]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, self.total_steps, cfg.min_lr_ratio))
+        self.weights = loss_weights(cfg.block_size, cfg.resolved_gamma()).to(self.device)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                         else contextlib.nullcontext())
+
+        self.step_count = 0              # optimizer steps taken (skipped windows included)
+        self.micro_step = 0              # micro-batches seen
+        self.trained_batch_ids: list[int] = []
+        self.skipped_batch_ids: list[int] = []
+        self.num_skipped = 0
+        self.nonfinite_in_row = 0
+        self._reset_window()
+
+        self._metrics_path = self.run_dir / "metrics.jsonl"
+        self._write_metrics = write_metrics and rank == 0
+        self._tb = None
+        if self._write_metrics:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            except Exception:  # tensorboard not installed: JSON lines only
+                self._tb = None
+
+    # ------------------------------------------------------------------ one micro-batch
+    def _reset_window(self) -> None:
+        b = self.cfg.block_size
+        # [weighted_ce, weight_sum, accept_sum, num_blocks, num_tokens, nonfinite, correct[B], counted[B]]
+        self._stats = torch.zeros(6 + 2 * b, dtype=torch.float64, device=self.device)
+        self._window_ids: list[int] = []
+        self._window_t0: float | None = None
+
+    def _forward_backward(self, batch: dict[str, torch.Tensor], batch_ids: list[int],
+                          backward: bool = True) -> torch.Tensor:
+        """Forward (+ backward) of one micro-batch; returns its local statistics vector (``_reset_window``)."""
+        t = check_batch(batch, self.dcfg)
+        b = self.cfg.block_size
+        hidden = batch["hidden"].to(self.device)
+        ids = batch["input_ids"].to(self.device)
+        lm_cpu = batch["loss_mask"].detach().cpu()
+        cu_cpu = batch["cu_seqlens"].detach().cpu().long()
+        gen = torch.Generator().manual_seed(anchor_seed(self.cfg.seed, batch_ids))
+        anchors = sample_anchors(lm_cpu, cu_cpu, self.cfg.num_anchors, b, gen)
+        stats = torch.zeros_like(self._stats)
+        stats[4] = t
+        for s0, s1 in split_sequences(cu_cpu, anchors, b, self.max_mask_elems):
+            lo, hi = int(cu_cpu[s0]), int(cu_cpu[s1])
+            a_g = anchors[(anchors >= lo) & (anchors < hi)] - lo
+            if a_g.numel() == 0:
+                continue
+            cu_g = cu_cpu[s0:s1 + 1] - lo
+            bb = build_block_batch(ids[lo:hi], lm_cpu[lo:hi], cu_g, a_g, b, self.dcfg.mask_token_id)
+            mask = build_attention_mask(bb.anchors, cu_g, b)
+            with self.autocast:
+                h = self.model(bb.block_input_ids, bb.block_positions, hidden[lo:hi], bb.ctx_positions, mask)
+                out = block_loss(self.model.logits, h, bb.labels, self.weights)
+            if not torch.isfinite(out.weighted_ce).item():
+                stats[5] = 1.0
+                logger.warning("nonfinite_loss rank=%d batch_ids=%s sequences=%d..%d", self.rank, batch_ids, s0, s1)
+                break
+            if backward:
+                out.weighted_ce.backward()
+            stats[0] += out.weighted_ce.detach().double()
+            stats[1] += out.weight_sum.double()
+            stats[2] += out.accept_sum.double()
+            stats[3] += out.num_blocks
+            stats[6:6 + b] += out.correct.double()
+            stats[6 + b:] += out.counted.double()
+        return stats
+
+    # ------------------------------------------------------------------ public step
+    def step(self, batch: dict[str, torch.Tensor], batch_ids: list[int]) -> dict[str, Any]:
+        """Train on one packed micro-batch (``hidden [T, n*H]``, ``input_ids [T] int32``, ``loss_mask [T]
+        uint8``, ``cu_seqlens [S+1] int32``) identified by ``batch_ids``.
+
+        Every ``grad_accum``-th call takes the optimizer step (all ranks must call ``step`` the same
+        number of times) and returns the window's group-wide metrics with ``optimizer_step=True`` and
+        ``batch_ids`` = every rank's ids of the window. Other calls return this micro-batch's local
+        metrics with ``optimizer_step=False``. Keys: ``step``, ``loss``, ``per_slot_acc`` (slots 1..B-1),
+        ``accept_proxy``, ``num_tokens``, ``tokens_per_s``, ``skipped``, ``optimizer_step``, ``batch_ids``,
+        ``lr``, ``grad_norm``, ``num_blocks``, ``time``. Raises ``BadBatch`` for a malformed batch and
+        after ``max_nonfinite_in_row`` non-finite windows in a row.
+        """
+        if self._window_t0 is None:
+            self._window_t0 = time.perf_counter()
+        ids = [int(x) for x in batch_ids]
+        local = self._forward_backward(batch, ids)
+        self._stats += local
+        self._window_ids += ids
+        self.micro_step += 1
+        if self.micro_step % self.cfg.grad_accum:
+            m = self._metrics(local, ids, time.perf_counter() - self._window_t0)
+            m.update(optimizer_step=False, skipped=False, grad_norm=None)
+            return m
+        return self._optimizer_step()
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, torch.Tensor], batch_ids: list[int]) -> dict[str, Any]:
+        """Loss and accuracy metrics of this rank's ``batch`` without any update (same anchors as training
+        would draw for these ``batch_ids``). Keys as in ``step``; nothing is all-reduced or logged."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            t0 = time.perf_counter()
+            stats = self._forward_backward(batch, [int(x) for x in batch_ids], backward=False)
+            return self._metrics(stats, list(batch_ids), time.perf_counter() - t0)
+        finally:
+            self.model.train(was_training)
+
+    def _flat_grads(self) -> torch.Tensor:
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                          for p in self.params])
+
+    def _optimizer_step(self) -> dict[str, Any]:
+        stats = self._stats
+        if self.world_size > 1:
+            flat = self._flat_grads()
+            dist.all_reduce(flat, group=self.pg)
+            dist.all_reduce(stats, group=self.pg)
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                p.grad = flat[offset:offset + n].view_as(p).to(p.dtype)
+                offset += n
+        weight_sum = float(stats[1])
+        nonfinite = float(stats[5]) > 0
+        skipped, grad_norm = True, None
+        if not nonfinite and weight_sum > 0:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(weight_sum)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip))
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+                skipped = False
+            else:
+                nonfinite = True
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        all_ids = self._gather_ids(self._window_ids)
+        elapsed = time.perf_counter() - (self._window_t0 or time.perf_counter())
+        m = self._metrics(stats, all_ids, elapsed)
+        m.update(optimizer_step=True, skipped=skipped, grad_norm=grad_norm, lr=lr)
+        self.step_count += 1
+        if skipped:
+            self.num_skipped += 1
+            self.skipped_batch_ids += all_ids
+            logger.warning("step_skipped step=%d reason=%s batch_ids=%s", m["step"],
+                           "nonfinite" if nonfinite else "no_labels", all_ids)
+        else:
+            self.trained_batch_ids += all_ids
+        self.nonfinite_in_row = self.nonfinite_in_row + 1 if nonfinite else 0
+        m.update(num_skipped=self.num_skipped, nonfinite_in_row=self.nonfinite_in_row)
+        self._reset_window()
+        self._log_metrics(m)
+        if self.nonfinite_in_row >= self.cfg.max_nonfinite_in_row:
+            raise BadBatch(f"{self.nonfinite_in_row} non-finite steps in a row (max_nonfinite_in_row="
+                           f"{self.cfg.max_nonfinite_in_row}); last batch ids {all_ids}")
+        return m
+
+    def _gather_ids(self, ids: list[int]) -> list[int]:
+        if self.world_size == 1:
+            return list(ids)
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, list(ids), group=self.pg)
+        return [int(x) for part in out for x in part]
+
+    def _metrics(self, stats: torch.Tensor, ids: list[int], elapsed_s: float) -> dict[str, Any]:
+        b = self.cfg.block_size
+        s = stats.detach().cpu().tolist()
+        correct, counted = s[6:6 + b], s[6 + b:]
+        return {
+            "step": self.step_count,
+            "loss": s[0] / s[1] if s[1] > 0 else float("nan"),
+            "per_slot_acc": [correct[k] / counted[k] if counted[k] else None for k in range(1, b)],
+            "accept_proxy": s[2] / s[3] if s[3] else float("nan"),
+            "num_blocks": int(s[3]),
+            "num_tokens": int(s[4]),
+            "tokens_per_s": s[4] / elapsed_s if elapsed_s > 0 else None,
+            "batch_ids": list(ids),
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "time": time.time(),
+        }
+
+    def _log_metrics(self, m: dict[str, Any]) -> None:
+        if not self._write_metrics:
+            return
+        with open(self._metrics_path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+        if self._tb is not None:
+            for key in ("loss", "accept_proxy", "tokens_per_s", "lr", "grad_norm"):
+                v = m.get(key)
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(f"train/{key}", v, m["step"])
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs: trainable weights, optimizer, scheduler, RNG states, step, data position."""
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        return {
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.trainable_state_dict().items()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng,
+            "step": self.step_count,
+            "micro_step": self.micro_step,
+            "trained_batch_ids": list(self.trained_batch_ids),
+            "skipped_batch_ids": list(self.skipped_batch_ids),
+            "num_skipped": self.num_skipped,
+            "nonfinite_in_row": self.nonfinite_in_row,
+            "world_size": self.world_size,
+            "dflash_config": self.dcfg.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Inverse of ``state_dict``. Raises ``ValueError`` when the drafter config differs (layer ids,
+        block size, shapes): a checkpoint of another drafter must not be continued silently."""
+        saved = state.get("dflash_config")
+        if saved is not None and saved != self.dcfg.to_dict():
+            diff = sorted(k for k in saved if saved.get(k) != self.dcfg.to_dict().get(k))
+            raise ValueError(f"checkpoint drafter config differs from this run in {diff}")
+        with torch.no_grad():
+            named = dict(self.model.named_parameters())
+            missing = set(self.model.trainable_state_dict()) - set(state["model"])
+            if missing:
+                raise ValueError(f"checkpoint lacks weights {sorted(missing)}")
+            for k, v in state["model"].items():
+                named[k].copy_(v.to(named[k].device, named[k].dtype))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        rng = state.get("rng", {})
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"].cpu())
+        if "python" in rng:
+            random.setstate(rng["python"])
+        if "numpy" in rng:
+            np.random.set_state(rng["numpy"])
+        if "cuda" in rng and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.step_count = int(state["step"])
+        self.micro_step = int(state["micro_step"])
+        self.trained_batch_ids = list(state["trained_batch_ids"])
+        self.skipped_batch_ids = list(state.get("skipped_batch_ids", []))
+        self.num_skipped = int(state.get("num_skipped", 0))
+        self.nonfinite_in_row = int(state.get("nonfinite_in_row", 0))
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_window()
+
+    def save_checkpoint(self, checkpoints_dir: str | Path | None = None) -> Path | None:
+        """Write ``checkpoints/step-{step:06d}/`` (rank 0 only; other ranks return None). Must be called
+        between optimizer steps (raises ``RuntimeError`` in the middle of an accumulation window)."""
+        if self.micro_step % self.cfg.grad_accum:
+            raise RuntimeError(f"save_checkpoint in the middle of a grad_accum window (micro_step {self.micro_step})")
+        if self.rank != 0:
+            return None
+        state = self.state_dict()
+        tensors = dict(state.pop("model"))
+        tensors.update(self.model.frozen_state_dict())
+        root = Path(checkpoints_dir) if checkpoints_dir is not None else self.run_dir / "checkpoints"
+        return ckpt.save_checkpoint(root, self.step_count, tensors, state, self.dcfg.to_dict(), self.keep_last)
+
+    def load_checkpoint(self, path: str | Path) -> Path:
+        """Resume from ``path`` (step, checkpoints or run directory). Checks that the checkpoint's frozen
+        embedding/LM head are bit for bit the target's, restores the state and, on rank 0, drops lines of
+        ``metrics.jsonl`` beyond the restored step. Returns the step directory used."""
+        step_dir = ckpt.resolve_checkpoint(path)
+        tensors, state, _ = ckpt.load_checkpoint(step_dir)
+        for key, mine in self.model.frozen_state_dict().items():
+            if key in tensors and not torch.equal(tensors[key], mine.cpu()):
+                raise ValueError(f"checkpoint {step_dir}: {key} differs from the target's in {self.target_dir}")
+        state["model"] = {k: v for k, v in tensors.items() if k not in (EMBED_KEY, HEAD_KEY)}
+        self.load_state_dict(state)
+        if self._write_metrics and self._metrics_path.is_file():
+            keep = [ln for ln in self._metrics_path.read_text().splitlines()
+                    if ln.strip() and json.loads(ln).get("step", 0) < self.step_count]
+            tmp = self._metrics_path.with_suffix(f".tmp-{os.getpid()}")
+            tmp.write_text("".join(ln + "\n" for ln in keep))
+            os.replace(tmp, self._metrics_path)
+        logger.info("resumed step=%d from=%s trained_batches=%d", self.step_count, step_dir,
+                    len(self.trained_batch_ids))
+        return step_dir
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+@torch.no_grad()
+def make_batch_in_process(target_model, sequences: list[tuple[torch.Tensor, torch.Tensor]],
+                          target_layer_ids: list[int]) -> dict[str, torch.Tensor]:
+    """A packed batch computed in this process (tests, demos; the producer does this in production).
+
+    ``target_model``: a Hugging Face causal LM; ``sequences``: ``(input_ids [L], loss_mask [L])`` pairs.
+    Returns ``hidden [T, n*H]`` (model dtype; layer id ``i`` = ``hidden_states[i + 1]``), ``input_ids
+    [T] int32``, ``loss_mask [T] uint8``, ``cu_seqlens [S+1] int32``. Sequences are right-padded into one
+    forward (a causal model's real positions do not see the padding).
+    """
+    dev = next(target_model.parameters()).device
+    lens = [int(s[0].numel()) for s in sequences]
+    pad = torch.zeros(len(sequences), max(lens), dtype=torch.long)
+    att = torch.zeros_like(pad)
+    for i, (ids, _) in enumerate(sequences):
+        pad[i, :lens[i]] = ids.long()
+        att[i, :lens[i]] = 1
+    out = target_model(input_ids=pad.to(dev), attention_mask=att.to(dev), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in target_layer_ids], dim=-1)
+    hidden = torch.cat([feats[i, :lens[i]] for i in range(len(sequences))])
+    cu = torch.zeros(len(sequences) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    return {
+        "hidden": hidden.contiguous(),
+        "input_ids": torch.cat([s[0] for s in sequences]).to(torch.int32),
+        "loss_mask": torch.cat([s[1] for s in sequences]).to(torch.uint8),
+        "cu_seqlens": cu,
+    }

@@ -1,0 +1,288 @@
+"""The DFlash Trainer in-process (consumer/trainer.py, consumer/checkpoint.py): steps, accumulation, the
+normaliser, non-finite handling, checkpoints and resume, and learning on the fixture + demo corpus."""
+
+import functools
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from consumer import checkpoint as ckpt
+from consumer.dflash import DFlashConfig
+from consumer.trainer import Trainer, lr_factor, make_batch_in_process
+from shared.config import TrainerConfig
+from shared.errors import BadBatch
+
+TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
+LAYERS = [1, 3, 5]
+
+
+@pytest.fixture(scope="module")
+def target():
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from shared.data import TokenDataset
+    from shared.prepare import ensure_demo
+    train, heldout = ensure_demo()
+    return TokenDataset(train), TokenDataset(heldout)
+
+
+def windows(ds, count, seq_len, first=0):
+    """``count`` windows of ``seq_len`` tokens from rows spread over ``ds`` (middle third of each row)."""
+    rows = [i for i in range(len(ds)) if ds.lengths[i] >= seq_len]
+    stride = max(1, len(rows) // (count + first))
+    out = []
+    for r in rows[first * stride::stride][:count]:
+        ids, lm = ds[r]
+        s = (len(ids) - seq_len) // 3
+        out.append((torch.from_numpy(ids[s:s + seq_len].copy()), torch.from_numpy(lm[s:s + seq_len].copy())))
+    assert len(out) == count
+    return out
+
+
+def make_batches(target, seqs, per_batch):
+    return [make_batch_in_process(target, seqs[i:i + per_batch], LAYERS) for i in range(0, len(seqs), per_batch)]
+
+
+def small_cfg(**kw):
+    base = dict(block_size=4, num_anchors=6, lr=3e-3, warmup_steps=2, max_steps=20, seed=0)
+    base.update(kw)
+    return TrainerConfig(**base)
+
+
+@functools.lru_cache(maxsize=None)
+def _dcfg(block_size, layers):
+    return DFlashConfig.from_target(TARGET, LAYERS, block_size=block_size, num_draft_layers=layers)
+
+
+def dcfg_for(cfg, layers=1):
+    return _dcfg(cfg.block_size, layers)
+
+
+@pytest.fixture(scope="module")
+def few(target, demo):
+    """Six small packed batches of real hidden states (3 sequences of 24..40 tokens each)."""
+    seqs = windows(demo[0], 18, 40)
+    seqs = [(i[: 24 + 4 * (k % 5)], m[: 24 + 4 * (k % 5)]) for k, (i, m) in enumerate(seqs)]
+    return make_batches(target, seqs, 3)
+
+
+def weights(tr):
+    return {k: v.clone() for k, v in tr.model.trainable_state_dict().items()}
+
+
+def same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def same_update(w0, a, b, rel=0.02):
+    """``a`` and ``b`` made the same update from ``w0``, up to float noise that Adam amplifies where a
+    gradient is near its epsilon: per tensor, ``max|a - b| <= rel * max|a - w0|`` (+ 1e-7)."""
+    for k in w0:
+        moved = float((a[k] - w0[k]).abs().max())
+        diff = float((a[k] - b[k]).abs().max())
+        assert diff <= rel * moved + 1e-7, (k, diff, moved)
+    assert max(float((a[k] - w0[k]).abs().max()) for k in w0) > 1e-3  # they really moved
+
+
+def cat_batches(bs):
+    cu = [0]
+    for b in bs:
+        cu += [cu[-1] + int(x) for x in b["cu_seqlens"][1:]]
+    return {"hidden": torch.cat([b["hidden"] for b in bs]), "input_ids": torch.cat([b["input_ids"] for b in bs]),
+            "loss_mask": torch.cat([b["loss_mask"] for b in bs]), "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+
+
+def test_lr_schedule():
+    assert lr_factor(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_factor(10, 10, 100, 0.1) == pytest.approx(1.0)
+    assert lr_factor(55, 10, 100, 0.1) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert lr_factor(100, 10, 100, 0.1) == pytest.approx(0.1)
+    assert lr_factor(500, 10, 100, 0.1) == pytest.approx(0.1)
+
+
+def test_step_metrics_and_metrics_file(few, tmp_path):
+    cfg = small_cfg()
+    tr = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path)
+    before = weights(tr)
+    m = tr.step(few[0], [7])
+    assert m["optimizer_step"] and not m["skipped"] and m["step"] == 0 and tr.step_count == 1
+    assert m["batch_ids"] == [7] and m["num_tokens"] == int(few[0]["cu_seqlens"][-1])
+    assert len(m["per_slot_acc"]) == 3 and 1.0 <= m["accept_proxy"] <= 4.0
+    assert math.isfinite(m["loss"]) and m["tokens_per_s"] > 0 and m["lr"] == pytest.approx(3e-3 / 2)
+    assert not same(before, weights(tr))
+    tr.step(few[1], [8])
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1] and lines[1]["batch_ids"] == [8]
+    assert {"loss", "per_slot_acc", "accept_proxy", "tokens_per_s", "batch_ids", "lr", "time"} <= set(lines[0])
+
+
+def test_head_stays_the_targets_and_is_not_optimised(few, tmp_path):
+    cfg = small_cfg()
+    tr = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path)
+    for i in range(3):
+        tr.step(few[i], [i])
+    index = json.loads((TARGET / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(TARGET / index["model.embed_tokens.weight"]), framework="pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    assert torch.equal(tr.model.embed_tokens.weight, embed) and torch.equal(tr.model.lm_head.weight, embed)
+    opt_ids = {id(p) for g in tr.optimizer.param_groups for p in g["params"]}
+    assert id(tr.model.embed_tokens.weight) not in opt_ids and id(tr.model.lm_head.weight) not in opt_ids
+    assert tr.model.embed_tokens.weight.grad is None
+
+
+def test_accumulation_equals_one_step_on_the_union(few, tmp_path):
+    """grad_accum=2 over two batches == one step on the two packed together (all anchors, so the
+    anchor draw cannot differ): the normaliser is the window's total weight, not a per-batch mean."""
+    cfg1 = small_cfg(num_anchors=10_000, grad_accum=2)
+    cfg2 = small_cfg(num_anchors=10_000, grad_accum=1)
+    a = Trainer(cfg1, dcfg_for(cfg1), TARGET, "cpu", tmp_path / "a", write_metrics=False)
+    b = Trainer(cfg2, dcfg_for(cfg2), TARGET, "cpu", tmp_path / "b", write_metrics=False)
+    w_init = w0 = weights(a)
+    for k in range(2):
+        m1 = a.step(few[2 * k], [2 * k])
+        assert not m1["optimizer_step"] and same(weights(a), w0)
+        ma = a.step(few[2 * k + 1], [2 * k + 1])
+        mb = b.step(cat_batches([few[2 * k], few[2 * k + 1]]), [100 + k])
+        assert ma["optimizer_step"] and ma["batch_ids"] == [2 * k, 2 * k + 1]
+        assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-5)
+        assert ma["accept_proxy"] == pytest.approx(mb["accept_proxy"], rel=1e-6)
+        assert ma["num_tokens"] == mb["num_tokens"]
+        w0 = weights(a)
+    same_update(w_init, weights(a), weights(b))
+
+
+def test_grouped_forward_equals_one_forward(few, tmp_path):
+    """Cutting the sequences into groups to bound the dense mask changes nothing but memory."""
+    cfg = small_cfg()
+    big = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "a", write_metrics=False)
+    tiny = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "b", write_metrics=False, max_mask_elems=1)
+    w_init = weights(big)
+    for i in range(2):
+        m1, m2 = big.step(few[i], [i]), tiny.step(few[i], [i])
+        assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5)
+    same_update(w_init, weights(big), weights(tiny))
+
+
+def test_nonfinite_steps_are_skipped_counted_and_stop_training(few, tmp_path):
+    cfg = small_cfg(max_nonfinite_in_row=2)
+    tr = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path)
+    tr.step(few[0], [0])
+    bad = dict(few[1])
+    bad["hidden"] = few[1]["hidden"].clone()
+    bad["hidden"][5] = float("nan")
+    w = weights(tr)
+    m = tr.step(bad, [41])
+    assert m["skipped"] and m["optimizer_step"] and m["nonfinite_in_row"] == 1 and m["batch_ids"] == [41]
+    assert same(w, weights(tr)) and tr.skipped_batch_ids == [41] and tr.num_skipped == 1
+    assert tr.step(few[2], [2])["nonfinite_in_row"] == 0  # a good step resets the run
+    tr.step(bad, [42])
+    with pytest.raises(BadBatch, match="non-finite"):
+        tr.step(bad, [43])
+    assert tr.num_skipped == 3
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["batch_ids"] for x in lines if x["skipped"]] == [[41], [42], [43]]
+    assert tr.trained_batch_ids == [0, 2]
+
+
+def test_malformed_batch_is_rejected_naming_the_field(few, tmp_path):
+    cfg = small_cfg()
+    tr = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path, write_metrics=False)
+    with pytest.raises(BadBatch, match="loss_mask"):
+        tr.step({k: v for k, v in few[0].items() if k != "loss_mask"}, [0])
+    with pytest.raises(BadBatch, match="hidden"):
+        tr.step(dict(few[0], hidden=few[0]["hidden"][:, :256]), [0])
+    with pytest.raises(BadBatch, match="cu_seqlens"):
+        tr.step(dict(few[0], cu_seqlens=torch.tensor([0, 5], dtype=torch.int32)), [0])
+
+
+def test_resume_gives_the_same_weights_and_losses(few, tmp_path):
+    n = 6
+    cfg = small_cfg(max_steps=n, checkpoint_every=3)
+    full = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "full")
+    losses_full = [full.step(few[i], [i])["loss"] for i in range(n)]
+
+    first = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "res")
+    losses = [first.step(few[i], [i])["loss"] for i in range(n // 2)]
+    step_dir = first.save_checkpoint()
+    first.step(few[n // 2], [n // 2])  # trained after the checkpoint, then "crashed": must be redone
+    del first
+
+    root = tmp_path / "res" / "checkpoints"
+    assert step_dir == root / "step-000003" and (root / "latest").read_text().strip() == "step-000003"
+    assert {p.name for p in step_dir.iterdir()} == {"drafter.safetensors", "trainer_state.pt", "dflash_config.json"}
+    second = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "res")
+    assert second.load_checkpoint(tmp_path / "res") == step_dir
+    assert second.step_count == n // 2 and second.trained_batch_ids == [0, 1, 2]
+    lines = [json.loads(x) for x in (tmp_path / "res" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [0, 1, 2]  # the post-checkpoint line was dropped
+    losses += [second.step(few[i], [i])["loss"] for i in range(n // 2, n)]
+    assert losses == losses_full
+    assert same(weights(second), weights(full))
+    assert second.optimizer.param_groups[0]["lr"] == full.optimizer.param_groups[0]["lr"]
+
+
+def test_checkpoint_files_and_refusals(few, tmp_path):
+    cfg = small_cfg()
+    tr = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path, write_metrics=False)
+    tr.step(few[0], [0])
+    root = tmp_path / "checkpoints"
+    (root).mkdir()
+    (root / ".step-000009.tmp-123").mkdir()  # debris of a crashed save
+    d = tr.save_checkpoint()
+    assert not (root / ".step-000009.tmp-123").exists()
+    with safe_open(str(d / "drafter.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert {"embed_tokens.weight", "lm_head.weight", "fc.weight", "layers.0.self_attn.q_proj.weight"} <= keys
+    model = ckpt.load_drafter(tmp_path)
+    assert same(model.trainable_state_dict(), tr.model.trainable_state_dict())
+    assert torch.equal(model.lm_head.weight, tr.model.lm_head.weight)
+    # a checkpoint without the target head is refused for export/eval
+    tensors, state, conf = ckpt.load_checkpoint(d)
+    bare = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    ckpt.save_checkpoint(tmp_path / "bare", 1, bare, state, conf)
+    with pytest.raises(ValueError, match="lm_head"):
+        ckpt.load_drafter(tmp_path / "bare")
+    # a checkpoint of a drafter with other layer ids is not resumed silently
+    cfg2 = small_cfg()
+    other = DFlashConfig.from_target(TARGET, [1, 2, 5], block_size=4, num_draft_layers=1)
+    with pytest.raises(ValueError, match="target_layer_ids"):
+        Trainer(cfg2, other, TARGET, "cpu", tmp_path / "o", write_metrics=False).load_checkpoint(d)
+    with pytest.raises(FileNotFoundError):
+        ckpt.resolve_checkpoint(tmp_path / "nowhere")
+
+
+def test_200_steps_on_the_demo_corpus_learn(target, demo, tmp_path):
+    """Fixture target, demo corpus: 200 steps of 4 x 64 tokens (16 anchors per sequence, B = 4,
+    2 draft layers, 3 captured layers, lr 3e-3). The held-out loss falls clearly and the acceptance
+    proxy rises above its step-0 value (both measured on the same 4 held-out batches)."""
+    t0 = time.time()
+    train = make_batches(target, windows(demo[0], 200, 64), 4)        # 50 batches, cycled
+    held = make_batches(target, windows(demo[1], 16, 64), 4)          # 4 held-out batches
+    cfg = TrainerConfig(block_size=4, num_anchors=16, lr=3e-3, warmup_steps=10, max_steps=200, seed=0)
+    tr = Trainer(cfg, dcfg_for(cfg, layers=2), TARGET, "cpu", tmp_path)
+
+    def held_metrics():
+        ms = [tr.evaluate(b, [10_000 + i]) for i, b in enumerate(held)]
+        return (sum(m["loss"] for m in ms) / len(ms), sum(m["accept_proxy"] for m in ms) / len(ms))
+
+    loss0, acc0 = held_metrics()
+    hist = [tr.step(train[s % len(train)], [s % len(train)]) for s in range(200)]
+    loss1, acc1 = held_metrics()
+    first = sum(m["loss"] for m in hist[:20]) / 20
+    last = sum(m["loss"] for m in hist[-20:]) / 20
+    print(f"held-out loss {loss0:.3f} -> {loss1:.3f}; accept proxy {acc0:.4f} -> {acc1:.4f}; train loss "
+          f"step0 {hist[0]['loss']:.3f} first20 {first:.3f} last20 {last:.3f}; {time.time() - t0:.1f}s")
+    assert loss1 < 0.4 * loss0
+    assert last < first - 1.0
+    assert acc1 > acc0 + 0.02
+    assert hist[-1]["step"] == 199 and not any(m["skipped"] for m in hist)
