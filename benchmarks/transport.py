@@ -106,6 +106,14 @@ class Channel:
 
 
 # ---------------------------------------------------------------------------- producers (child processes)
+def _new_shared(nbytes: int) -> torch.Tensor:
+    """A ``uint8`` tensor of ``nbytes`` allocated directly in shared memory (no copy into it yet)."""
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
+    if new_shared is None:  # not in every torch: share_memory_() copies, which only slows this peer down
+        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+    return torch.empty(0, dtype=torch.uint8).set_(new_shared(nbytes))
+
+
 def _source(nbytes: int) -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
 
@@ -163,7 +171,7 @@ def produce_mpq(q, done, nbytes: int, total: int, threads: int) -> None:
     torch.set_num_threads(threads)
     src = _source(nbytes)
     for _ in range(total):
-        t = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
+        t = _new_shared(nbytes)
         t.copy_(src)
         q.put(t)
         del t
@@ -175,7 +183,7 @@ def produce_mpq_pool(q, free_q, nbytes: int, total: int, depth: int, threads: in
     """Refill one of ``depth`` shared tensors that the consumer has handed back, put it on ``q``."""
     torch.set_num_threads(threads)
     src = _source(nbytes)
-    pool = [torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes)) for _ in range(depth)]
+    pool = [_new_shared(nbytes) for _ in range(depth)]
     for i in range(depth):
         free_q.put(i)
     for _ in range(total):
