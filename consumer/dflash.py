@@ -39,28 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# One definition of the default capture layers for producer and consumer (re-exported here).
+from producers.target import default_target_layer_ids, resolve_layer_ids  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
 EMBED_KEY = "embed_tokens.weight"
 HEAD_KEY = "lm_head.weight"
 FROZEN_KEYS = (EMBED_KEY, HEAD_KEY)
-
-
-def default_target_layer_ids(num_layers: int, n: int) -> list[int]:
-    """Target layers to capture, spread evenly from 1 to ``num_layers - 3`` (DFlash convention).
-
-    ``n == 1`` -> ``[num_layers // 2]``; else ``round(1 + k * (num_layers - 4) / (n - 1))`` for
-    ``k = 0..n-1``. Id ``i`` means the output of decoder layer ``i`` (HF ``hidden_states[i + 1]``).
-    Raises ``ValueError`` when ``n`` is not in ``1..num_layers`` or the ids would collide.
-    """
-    if n < 1 or n > num_layers:
-        raise ValueError(f"num_target_layers: must be in 1..{num_layers}, got {n}")
-    if n == 1:
-        return [num_layers // 2]
-    ids = [int(round(1 + k * (num_layers - 4) / (n - 1))) for k in range(n)]
-    if len(set(ids)) != n or min(ids) < 0 or max(ids) >= num_layers:
-        raise ValueError(f"num_target_layers: {n} layers cannot be spread over a {num_layers}-layer target ({ids})")
-    return ids
 
 
 def _text_config(cfg: dict) -> dict:
@@ -160,19 +146,17 @@ class DFlashConfig:
                     num_target_layers: int = 5) -> "DFlashConfig":
         """Size a drafter like the target in ``target_dir`` (its ``config.json``).
 
-        ``target_layer_ids=None`` -> ``default_target_layer_ids(L, num_target_layers)``.
+        ``target_layer_ids=None`` -> ``default_target_layer_ids(L, num_target_layers)`` (the producer's
+        ``producers.target`` definitions, so both sides pick and validate the same layers).
         ``num_draft_layers=None`` -> one draft layer per captured layer. ``mask_token_id=None`` ->
-        ``resolve_mask_token_id(target_dir)``. Raises ``ValueError`` for layer ids outside the target.
+        ``resolve_mask_token_id(target_dir)``. Raises ``ConfigError`` (a ``ValueError``) for layer ids outside
+        the target or repeated.
         """
         path = Path(target_dir) / "config.json"
         raw = json.loads(path.read_text())
         cfg = _text_config(raw)
         num_layers = int(cfg["num_hidden_layers"])
-        if target_layer_ids is None:
-            target_layer_ids = default_target_layer_ids(num_layers, num_target_layers)
-        bad = [i for i in target_layer_ids if not 0 <= int(i) < num_layers]
-        if bad:
-            raise ValueError(f"target_layer_ids: {bad} outside the target's layers 0..{num_layers - 1} ({path})")
+        target_layer_ids = resolve_layer_ids(num_layers, target_layer_ids, num_target_layers)
         if mask_token_id is None:
             mask_token_id = resolve_mask_token_id(target_dir)
         heads = int(cfg["num_attention_heads"])
@@ -228,6 +212,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))
 
 
+def block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
+                    v_blk: torch.Tensor, ctx_mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Attention of ``A`` blocks of ``B`` draft queries over a masked context plus their own block.
+
+    ``q [Hq, Q, D]`` (Q = A*B), ``k_ctx/v_ctx [Hkv, C, D]``, ``k_blk/v_blk [Hkv, Q, D]``, ``ctx_mask [Q, C]``
+    bool (True = may attend). Returns ``[Hq, Q, D]``. Equal to softmax attention under the dense
+    ``[Q, C+Q]`` mask whose draft part is block-diagonal, but computes ``Q*(C+B)`` scores instead of
+    ``Q*(C+Q)`` (one joint softmax over the context scores and the in-block scores). GQA without
+    repeating keys: query heads are grouped onto their key/value head.
+    """
+    hq, qn, d = q.shape
+    hkv, c = k_ctx.shape[0], k_ctx.shape[1]
+    g, b = hq // hkv, int(block_size)
+    a = qn // b
+    scale = d ** -0.5
+    qg = q.reshape(hkv, g, qn, d)
+    s_ctx = torch.einsum("hgqd,hcd->hgqc", qg, k_ctx) * scale
+    s_ctx = s_ctx.masked_fill(~ctx_mask[None, None], float("-inf"))
+    s_blk = torch.einsum("hgaid,hajd->hgaij", qg.reshape(hkv, g, a, b, d), k_blk.reshape(hkv, a, b, d)) * scale
+    probs = torch.softmax(torch.cat([s_ctx, s_blk.reshape(hkv, g, qn, b)], dim=-1).float(), dim=-1).to(q.dtype)
+    out = torch.einsum("hgqc,hcd->hgqd", probs[..., :c], v_ctx)
+    out = out + torch.einsum("hgaij,hajd->hgaid", probs[..., c:].reshape(hkv, g, a, b, b),
+                             v_blk.reshape(hkv, a, b, d)).reshape(hkv, g, qn, d)
+    return out.reshape(hq, qn, d)
+
+
 class DFlashAttention(nn.Module):
     """Attention whose keys/values cover ``[context ; draft tokens]`` and whose queries are the draft tokens."""
 
@@ -252,14 +262,20 @@ class DFlashAttention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, ctx_kv: tuple[torch.Tensor, torch.Tensor], cos: torch.Tensor,
-                sin: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+                sin: torch.Tensor, attn_mask: torch.Tensor | None, block_size: int | None = None) -> torch.Tensor:
         """``x [Q, H]`` draft stream (already normed); ``ctx_kv`` from ``project_kv`` of the context;
-        ``cos/sin [Q, D]`` of the draft positions; ``attn_mask [Q, C+Q] bool`` (True = may attend) or
-        None (everything visible). Returns ``[Q, H]``."""
+        ``cos/sin [Q, D]`` of the draft positions. Dense form (``block_size=None``): ``attn_mask [Q, C+Q]
+        bool`` (True = may attend) or None (everything visible). Structured form (``block_size=B``):
+        ``attn_mask [Q, C]`` is the context mask and each run of ``B`` draft tokens sees exactly itself
+        (``block_attention``). Returns ``[Q, H]``."""
         q_len = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(q_len, self.num_heads, self.head_dim)).transpose(0, 1)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.project_kv(x, cos, sin)
+        if block_size is not None:
+            out = block_attention(q, ctx_kv[0].to(k_blk.dtype), ctx_kv[1].to(v_blk.dtype), k_blk, v_blk,
+                                  attn_mask, block_size)
+            return self.o_proj(out.transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim))
         k = torch.cat([ctx_kv[0].to(k_blk.dtype), k_blk], dim=1)
         v = torch.cat([ctx_kv[1].to(v_blk.dtype), v_blk], dim=1)
         groups = self.num_heads // self.num_kv_heads
@@ -294,8 +310,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx_kv, cos, sin, attn_mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx_kv, cos, sin, attn_mask)
+    def forward(self, x, ctx_kv, cos, sin, attn_mask, block_size=None):
+        x = x + self.self_attn(self.input_layernorm(x), ctx_kv, cos, sin, attn_mask, block_size)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -416,12 +432,15 @@ class DFlashDrafter(nn.Module):
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
 
     def forward(self, block_input_ids: torch.Tensor, block_positions: torch.Tensor, ctx_hidden: torch.Tensor,
-                ctx_positions: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+                ctx_positions: torch.Tensor, attn_mask: torch.Tensor | None,
+                block_size: int | None = None) -> torch.Tensor:
         """Draft-token hidden states.
 
         ``block_input_ids [Q] long`` (anchor then mask tokens per block), ``block_positions [Q] long``
         (positions inside their sequence), ``ctx_hidden [C, n*H]``, ``ctx_positions [C] long``,
-        ``attn_mask [Q, C+Q] bool`` (True = may attend; columns are context then draft tokens) or None.
+        ``attn_mask [Q, C+Q] bool`` (True = may attend; columns are context then draft tokens) or None;
+        or, with ``block_size=B``, the context mask ``[Q, C]`` alone (each block of B draft tokens then
+        sees exactly itself; ``block_attention``), which needs ``Q*(C+B)`` scores instead of ``Q*(C+Q)``.
         Returns ``[Q, H]`` after the final norm; ``logits()`` maps it to the vocabulary.
         """
         x = self.embed(block_input_ids)
@@ -430,13 +449,16 @@ class DFlashDrafter(nn.Module):
         cos_c, sin_c = self._rope(ctx_positions)
         for layer in self.layers:
             ctx_kv = layer.self_attn.project_kv(ctx, cos_c, sin_c)
-            x = layer(x, ctx_kv, cos_q, sin_q, attn_mask)
+            x = layer(x, ctx_kv, cos_q, sin_q, attn_mask, block_size)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> ``[..., V]`` through the frozen target LM head."""
         self._check_ready()
-        return F.linear(hidden, self.lm_head.weight.to(hidden.dtype))
+        w = self.lm_head.weight
+        if not torch.is_autocast_enabled(hidden.device.type):
+            w = w.to(hidden.dtype)  # under autocast the bf16 head is used as is: no [V, H] float32 copy
+        return F.linear(hidden, w)
 
     # ------------------------------------------------------------------ inference
     def extend_cache(self, ctx_hidden: torch.Tensor, ctx_positions: torch.Tensor,

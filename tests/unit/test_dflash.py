@@ -38,8 +38,8 @@ def test_default_layer_ids():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(8, 1) == [4]
     assert default_target_layer_ids(8, 2) == [1, 5]
-    with pytest.raises(ValueError, match="num_target_layers"):
-        default_target_layer_ids(8, 9)
+    with pytest.raises(ValueError, match="duplicate"):
+        DFlashConfig.from_target(TARGET, None, mask_token_id=3, num_target_layers=9)
 
 
 def test_config_from_target(cfg, tmp_path):
