@@ -416,6 +416,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def configure_cli_logging(prefix: str) -> None:
+    """The project's log format for a command that starts no children (``shared.procs.configure_logging``
+    when importable; it pulls in pyzmq, which a machine that only evaluates may lack)."""
+    try:
+        from shared.procs import configure_logging
+    except ImportError:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True, datefmt="%H:%M:%S",
+                            format=f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s")
+        return
+    configure_logging(prefix)
+
+
 def _stop_ids(hf_config) -> list[int]:
     eos = getattr(hf_config, "eos_token_id", None)
     if eos is None:
@@ -504,12 +516,13 @@ def format_table(report: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``launch.py eval``: print the τ table (and write ``--output-json``). Exit code 0; 2 for a bad flag
-    or input; 1 when a speculative output differed from greedy decoding (a bug: decoding must be lossless)."""
+    or input; 1 when, in float32, a speculative output differed from greedy decoding (a bug: decoding is
+    lossless). In bfloat16/float16 that is only a warning: the verify forward over ``k + 1`` tokens and the
+    one-token greedy step round differently, so a near-tie of the two best logits can flip."""
     from shared.errors import ConfigError
-    from shared.procs import configure_logging
 
     args = build_parser().parse_args(argv)
-    configure_logging("eval")
+    configure_cli_logging("eval")
     try:
         report = run_eval(args)
     except (ConfigError, ValueError, FileNotFoundError, KeyError) as e:
@@ -523,7 +536,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(report, indent=1) + "\n")
     bad = [r["drafter"] for r in report["rows"] if r.get("lossless_mismatches")]
-    if bad:
+    if bad and report["dtype"] == "float32":
         print(f"error: speculative output differs from greedy decoding for {bad}", file=sys.stderr)
         return 1
+    if bad:  # 16-bit: a (k+1)-token verify and a 1-token step round differently; a near-tie can flip
+        print(f"warning: speculative output differs from greedy decoding for {bad} in {report['dtype']}; "
+              "rerun with --dtype float32 to tell a numerical near-tie from a bug", file=sys.stderr)
     return 0

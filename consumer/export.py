@@ -296,10 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``launch.py export``: 0 on success, 2 when the checkpoint is refused or a flag is wrong."""
-    from shared.procs import configure_logging
+    from consumer.evaluate import configure_cli_logging
 
     args = build_parser().parse_args(argv)
-    configure_logging("export")
+    configure_cli_logging("export")
     try:
         out = export_drafter(args.drafter, args.output, args.target, args.dtype, args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
