@@ -139,7 +139,10 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 
 def _new_cache(target):
     from transformers import DynamicCache
-    return DynamicCache(config=target.config)
+    try:
+        return DynamicCache(config=target.config)
+    except TypeError:  # transformers 4.x: no config argument
+        return DynamicCache()
 
 
 def _cache_kwarg(target) -> str:
