@@ -145,26 +145,37 @@ def build_block_batch(input_ids: torch.Tensor, loss_mask: torch.Tensor, cu_seqle
                       ctx_positions=ctx_positions, ctx_seq=ctx_seq, block_size=b)
 
 
-def build_attention_mask(anchors: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[Q, T + Q] bool`` (True = may attend) for blocks anchored at global packed ``anchors [A]``.
+def build_context_mask(anchors: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[Q, T] bool``: the context part of the DFlash mask (True = may attend).
 
-    Row ``q`` belongs to block ``q // B``; columns ``0..T-1`` are the packed context, ``T..T+Q-1`` the
-    draft tokens. A row sees context ``c`` iff ``c`` is in its block's sequence and ``c < anchor``, and a
-    draft column iff it is in the same block. Memory: ``Q * (T + Q)`` bytes.
+    Row ``q`` belongs to block ``q // B``; it sees packed context position ``c`` iff ``c`` is in its
+    block's sequence and ``c < anchor`` (never the anchor's own target state, nothing of another
+    sequence). Each block also sees all of its own ``B`` draft tokens; that part is implicit here and
+    is built by ``build_attention_mask`` only when a dense mask is wanted. Memory: ``Q * T`` bytes.
     """
     cu = cu_seqlens.to(anchors.device).long()
     t = int(cu[-1])
     a = anchors.long()
     b = int(block_size)
-    q = a.numel() * b
     dev = a.device
-    blk = torch.arange(q, device=dev) // b
+    blk = torch.arange(a.numel() * b, device=dev) // b
     anchor_q = a[blk]
     start_q = cu[seq_index(cu, anchor_q)]
     c = torch.arange(t, device=dev)
-    ctx = (c[None, :] >= start_q[:, None]) & (c[None, :] < anchor_q[:, None])
-    own = blk[:, None] == blk[None, :]
-    return torch.cat([ctx, own], dim=1)
+    return (c[None, :] >= start_q[:, None]) & (c[None, :] < anchor_q[:, None])
+
+
+def build_attention_mask(anchors: torch.Tensor, cu_seqlens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[Q, T + Q] bool`` dense mask (True = may attend) for blocks anchored at global packed ``anchors [A]``.
+
+    Columns ``0..T-1`` are the packed context (``build_context_mask``), ``T..T+Q-1`` the draft tokens, of
+    which a row sees exactly those of its own block. Memory: ``Q * (T + Q)`` bytes; the trainer uses the
+    structured form (context mask + ``block_size``) instead, which needs ``Q * T``.
+    """
+    ctx = build_context_mask(anchors, cu_seqlens, block_size)
+    q = ctx.shape[0]
+    blk = torch.arange(q, device=ctx.device) // int(block_size)
+    return torch.cat([ctx, blk[:, None] == blk[None, :]], dim=1)
 
 
 def loss_weights(block_size: int, gamma: float) -> torch.Tensor:
@@ -220,11 +231,13 @@ def block_loss(logits_fn, hidden: torch.Tensor, labels: torch.Tensor, weights: t
 
 def split_sequences(cu_seqlens: torch.Tensor, anchors: torch.Tensor, block_size: int,
                     max_mask_elems: int) -> list[tuple[int, int]]:
-    """Cut the sequences into consecutive groups ``[(s0, s1), ...]`` whose dense mask stays small.
+    """Cut the sequences into consecutive groups ``[(s0, s1), ...]`` whose attention scores stay small.
 
-    A group's mask has ``Q_g * (T_g + Q_g)`` elements; sequences are added to a group while that stays
-    ``<= max_mask_elems`` (a single sequence that exceeds it forms its own group). Sequences without
-    anchors are folded into their neighbours (they cost context columns only).
+    A group's scores per head have ``Q_g * (T_g + B)`` elements (context mask plus own block, see
+    ``build_context_mask``); sequences are added to a group while that stays ``<= max_mask_elems`` (a
+    single sequence that exceeds it forms its own group). Context of another sequence in the same group is
+    masked out, so large groups waste work: the budget trades that against per-group overhead. Sequences
+    without anchors are folded into their neighbours (they cost context columns only).
     """
     cu = cu_seqlens.detach().cpu().long()
     s_count = cu.numel() - 1
@@ -234,7 +247,7 @@ def split_sequences(cu_seqlens: torch.Tensor, anchors: torch.Tensor, block_size:
     for s in range(s_count):
         t_s = int(cu[s + 1] - cu[s])
         q_s = per_seq[s] * block_size
-        if s > s0 and (q + q_s) * (tok + t_s + q + q_s) > max_mask_elems:
+        if s > s0 and (q + q_s) * (tok + t_s + block_size) > max_mask_elems:
             groups.append((s0, s))
             s0, tok, q = s, 0, 0
         tok += t_s

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from consumer import checkpoint as ckpt
-from consumer.blocks import block_loss, build_attention_mask, build_block_batch, loss_weights, sample_anchors, \
+from consumer.blocks import block_loss, build_context_mask, build_block_batch, loss_weights, sample_anchors, \
     split_sequences
 from consumer.dflash import EMBED_KEY, HEAD_KEY, DFlashConfig, DFlashDrafter
 from shared.config import RunConfig, TrainerConfig
@@ -192,9 +192,10 @@ class Trainer:
                 continue
             cu_g = cu_cpu[s0:s1 + 1] - lo
             bb = build_block_batch(ids[lo:hi], lm_cpu[lo:hi], cu_g, a_g, b, self.dcfg.mask_token_id)
-            mask = build_attention_mask(bb.anchors, cu_g, b)
+            mask = build_context_mask(bb.anchors, cu_g, b)
             with self.autocast:
-                h = self.model(bb.block_input_ids, bb.block_positions, hidden[lo:hi], bb.ctx_positions, mask)
+                h = self.model(bb.block_input_ids, bb.block_positions, hidden[lo:hi], bb.ctx_positions, mask,
+                               block_size=b)
                 out = block_loss(self.model.logits, h, bb.labels, self.weights)
             if not torch.isfinite(out.weighted_ce).item():
                 stats[5] = 1.0
