@@ -66,6 +66,12 @@ FLAGS = {
 }
 
 
+# Defaults for a run whose producers and consumers are all on CPU, unless a flag or the config file sets them:
+# the embedded default then takes a few minutes on a 2-core machine (GPU runs keep RunConfig's defaults).
+CPU_DEFAULTS = {("data", "max_tokens"): 2048, ("trainer", "num_anchors"): 64, ("trainer", "max_steps"): 200,
+                ("trainer", "checkpoint_every"): 100}
+
+
 def default_devices() -> tuple[list[str], list[str]]:
     """2 producers + 1 consumer: on CPU, or spread over the GPUs when there are some."""
     try:
@@ -133,16 +139,23 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     base = RunConfig().to_dict()
     prod, cons = default_devices()
     base["producer"]["devices"], base["trainer"]["devices"] = prod, cons
+    explicit: set[tuple[str, str]] = set()
     if args.config:
         for key, value in _load_file(args.config).items():
             if isinstance(value, dict) and isinstance(base.get(key), dict):
                 base[key].update(value)
+                explicit.update((key, k) for k in value)
             else:
                 base[key] = value
     for flag, (section, field_name, _, _) in FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
             base[section][field_name] = value
+            explicit.add((section, field_name))
+    if all(d == "cpu" for d in base["producer"]["devices"] + base["trainer"]["devices"]):
+        for (section, field_name), value in CPU_DEFAULTS.items():
+            if (section, field_name) not in explicit:
+                base[section][field_name] = value
     if args.run_dir is not None:
         base["run_dir"] = args.run_dir
     if args.checksum:
