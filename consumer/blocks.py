@@ -230,11 +230,12 @@ def block_loss(logits_fn, hidden: torch.Tensor, labels: torch.Tensor, weights: t
 
 
 def split_sequences(cu_seqlens: torch.Tensor, anchors: torch.Tensor, block_size: int,
-                    max_mask_elems: int) -> list[tuple[int, int]]:
+                    max_mask_elems: int, dense: bool = False) -> list[tuple[int, int]]:
     """Cut the sequences into consecutive groups ``[(s0, s1), ...]`` whose attention scores stay small.
 
-    A group's scores per head have ``Q_g * (T_g + B)`` elements (context mask plus own block, see
-    ``build_context_mask``); sequences are added to a group while that stays ``<= max_mask_elems`` (a
+    A group's scores per head have ``Q_g * (T_g + B)`` elements in the structured form (context mask plus
+    own block, see ``build_context_mask``) and its dense mask ``Q_g * (T_g + Q_g)`` (``dense=True``,
+    ``build_attention_mask``); sequences are added to a group while that stays ``<= max_mask_elems`` (a
     single sequence that exceeds it forms its own group). Context of another sequence in the same group is
     masked out, so large groups waste work: the budget trades that against per-group overhead. Sequences
     without anchors are folded into their neighbours (they cost context columns only).
@@ -247,7 +248,8 @@ def split_sequences(cu_seqlens: torch.Tensor, anchors: torch.Tensor, block_size:
     for s in range(s_count):
         t_s = int(cu[s + 1] - cu[s])
         q_s = per_seq[s] * block_size
-        if s > s0 and (q + q_s) * (tok + t_s + block_size) > max_mask_elems:
+        cols = tok + t_s + (q + q_s if dense else block_size)
+        if s > s0 and (q + q_s) * cols > max_mask_elems:
             groups.append((s0, s))
             s0, tok, q = s, 0, 0
         tok += t_s

@@ -147,3 +147,7 @@ def test_split_sequences_covers_all_and_respects_budget():
         q = int(((anchors >= cu[s0]) & (anchors < cu[s1])).sum()) * 4
         assert s1 - s0 == 1 or q * (t + 4) <= budget  # scores of the structured attention: Q * (T + B)
     assert split_sequences(cu, anchors, 4, 10**12) == [(0, 9)]
+    for s0, s1 in split_sequences(cu, anchors, 4, budget, dense=True):  # dense mask: Q * (T + Q)
+        t = int(cu[s1] - cu[s0])
+        q = int(((anchors >= cu[s0]) & (anchors < cu[s1])).sum()) * 4
+        assert s1 - s0 == 1 or q * (t + q) <= budget

@@ -161,15 +161,20 @@ def test_accumulation_equals_one_step_on_the_union(few, tmp_path):
     same_update(w_init, weights(a), weights(b))
 
 
-def test_grouped_forward_equals_one_forward(few, tmp_path):
-    """Cutting the sequences into groups to bound the dense mask changes nothing but memory."""
+@pytest.mark.parametrize("attention", ["structured", "dense"])
+def test_grouped_forward_equals_one_forward(few, tmp_path, attention):
+    """Cutting the sequences into groups to bound the mask/scores, and the attention form (structured
+    context mask + own block, or dense [Q, C+Q] mask), change nothing but memory and speed."""
     cfg = small_cfg()
-    big = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "a", write_metrics=False)
-    tiny = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "b", write_metrics=False, max_mask_elems=1)
+    big = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "a", write_metrics=False, max_mask_elems=10**12)
+    tiny = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "b", write_metrics=False, max_mask_elems=1,
+                   attention=attention)
+    assert big.attention == "structured" and tiny.attention == attention  # "auto" on the CPU: structured
     w_init = weights(big)
     for i in range(2):
         m1, m2 = big.step(few[i], [i]), tiny.step(few[i], [i])
         assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-5)
+        assert m1["accept_proxy"] == pytest.approx(m2["accept_proxy"], rel=1e-6)
     same_update(w_init, weights(big), weights(tiny))
 
 
