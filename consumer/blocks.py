@@ -199,28 +199,44 @@ class BlockLoss:
     num_blocks: int
 
 
-def block_loss(logits_fn, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> BlockLoss:
+def block_loss(logits_fn, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
+               chunk_rows: int | None = None, backward: bool = False) -> BlockLoss:
     """Weighted cross-entropy of draft hidden states ``hidden [A*B, H]`` against ``labels [A, B]``.
 
     ``logits_fn`` maps ``[N, H] -> [N, V]`` (the frozen LM head); it is applied only to rows with a label,
     which saves ``1/B`` of the largest matrix product at least. ``weights [B]`` from ``loss_weights``.
     Acceptance proxy per block: number of leading slots ``1, 2, ...`` predicted correctly (an excluded
     label ends the run), plus one.
+
+    Memory: the logits are computed ``chunk_rows`` rows at a time (None: all at once). With
+    ``backward=True`` each chunk's weighted CE is back-propagated into ``hidden`` (a leaf that requires
+    grad; the caller then runs ``h.backward(hidden.grad)`` through the drafter) before the next chunk is
+    computed, so only one chunk of ``[rows, V]`` float32 logits is alive at a time (the 152k-token vocab of
+    an 8B target would otherwise need tens of GB); ``weighted_ce`` is then returned detached.
     """
     a, b = labels.shape
     flat = labels.reshape(-1)
     valid = flat != IGNORE
     rows = torch.nonzero(valid).flatten()
-    logits = logits_fn(hidden[rows]).float()
-    ce = F.cross_entropy(logits, flat[rows], reduction="none")
     w = weights.to(hidden.device)[torch.arange(a * b, device=hidden.device) % b][rows]
     pred = torch.full_like(flat, -1)
-    pred[rows] = logits.detach().argmax(-1)
+    step = int(chunk_rows) if chunk_rows else max(1, rows.numel())
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for i in range(0, rows.numel(), step):
+        r = rows[i:i + step]
+        logits = logits_fn(hidden[r]).float()
+        wce = (F.cross_entropy(logits, flat[r], reduction="none") * w[i:i + step]).sum()
+        pred[r] = logits.detach().argmax(-1)
+        del logits
+        if backward:
+            wce.backward()
+            wce = wce.detach()
+        total = total + wce
     hit = (pred == flat) & valid
     hit2 = hit.view(a, b)
     lead = torch.cumprod(hit2[:, 1:].long(), dim=1).sum(dim=1)
     return BlockLoss(
-        weighted_ce=(ce * w).sum(),
+        weighted_ce=total,
         weight_sum=w.sum().detach(),
         correct=hit2.long().sum(0),
         counted=valid.view(a, b).long().sum(0),

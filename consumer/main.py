@@ -81,8 +81,7 @@ def _init_distributed(ctx: ChildContext, device: torch.device):
 
 def body(ctx: ChildContext) -> None:
     from consumer.checkpoint import latest_checkpoint
-    from consumer.dflash import DFlashConfig
-    from consumer.trainer import Trainer
+    from consumer.trainer import Trainer, dflash_config_from_run
 
     cfg = ctx.config
     device = torch.device(cfg.trainer.devices[ctx.index])
@@ -95,11 +94,11 @@ def body(ctx: ChildContext) -> None:
             for r in rings:
                 r.pin()
         rank, world, group = _init_distributed(ctx, device)
-        dcfg = DFlashConfig.from_target(cfg.producer.target, cfg.producer.target_layer_ids, cfg.trainer.block_size,
-                                        mask_token_id=cfg.trainer.mask_token_id,
-                                        num_draft_layers=cfg.trainer.num_draft_layers)
+        dcfg = dflash_config_from_run(cfg)
+        # CPU: small groups (per sequence) so no work is spent on other sequences' masked context
         trainer = Trainer(cfg.trainer, dcfg, cfg.producer.target, device, ctx.run_dir, rank=rank,
-                          world_size=world, process_group=group)
+                          world_size=world, process_group=group,
+                          **({} if device.type == "cuda" else {"max_mask_elems": 2 ** 20}))
         if cfg.resume:
             path = latest_checkpoint(os.path.join(ctx.run_dir, "checkpoints"))
             if path is not None:

@@ -132,6 +132,8 @@ class Trainer:
             raise ValueError("world_size > 1 needs torch.distributed initialised first")
         self.total_steps = int(total_steps or cfg.max_steps)
         self.max_mask_elems = int(max_mask_elems)
+        # rows of [rows, V] float32 logits alive at once: about 1 GiB (2**28 floats)
+        self.loss_chunk_rows = max(256, 2 ** 28 // max(1, dcfg.vocab_size))
         if attention not in ("auto", "dense", "structured"):
             raise ValueError(f"attention: must be auto, dense or structured, got {attention!r}")
         self.attention = attention if attention != "auto" else ("dense" if self.device.type == "cuda"
@@ -210,13 +212,17 @@ class Trainer:
             with self.autocast:
                 h = self.model(bb.block_input_ids, bb.block_positions, hidden[lo:hi], bb.ctx_positions, mask,
                                block_size=form)
-                out = block_loss(self.model.logits, h, bb.labels, self.weights)
+                # the loss back-propagates chunk by chunk into a detached copy of h (see block_loss), then
+                # h.backward() carries that gradient through the drafter once
+                h_leaf = h.detach().requires_grad_(True) if backward else h
+                out = block_loss(self.model.logits, h_leaf, bb.labels, self.weights,
+                                 chunk_rows=self.loss_chunk_rows, backward=backward)
             if not torch.isfinite(out.weighted_ce).item():
                 stats[5] = 1.0
                 logger.warning("nonfinite_loss rank=%d batch_ids=%s sequences=%d..%d", self.rank, batch_ids, s0, s1)
                 break
-            if backward:
-                out.weighted_ce.backward()
+            if backward and h_leaf.grad is not None:
+                h.backward(h_leaf.grad)
             stats[0] += out.weighted_ce.detach().double()
             stats[1] += out.weight_sum.double()
             stats[2] += out.accept_sum.double()

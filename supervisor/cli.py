@@ -68,7 +68,8 @@ FLAGS = {
 
 # Defaults for a run whose producers and consumers are all on CPU, unless a flag or the config file sets them:
 # the embedded default then takes a few minutes on a 2-core machine (GPU runs keep RunConfig's defaults).
-CPU_DEFAULTS = {("data", "max_tokens"): 2048, ("trainer", "num_anchors"): 64, ("trainer", "max_steps"): 200,
+CPU_DEFAULTS = {("data", "max_tokens"): 2048, ("trainer", "num_anchors"): 32, ("trainer", "num_draft_layers"): 2,
+                ("trainer", "max_steps"): 200,
                 ("trainer", "checkpoint_every"): 100}
 
 

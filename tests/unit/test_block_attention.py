@@ -45,3 +45,24 @@ def test_drafter_structured_forward_equals_dense_forward():
     structured = model(bb.block_input_ids, bb.block_positions, hidden, bb.ctx_positions,
                        build_context_mask(bb.anchors, cu, 4), block_size=4)
     assert torch.allclose(dense, structured, atol=1e-9)
+
+
+def test_chunked_loss_backward_equals_one_shot():
+    """block_loss in chunks with per-chunk backward gives the same loss, statistics and gradient."""
+    from consumer.blocks import IGNORE, block_loss, loss_weights
+    torch.manual_seed(2)
+    head = torch.randn(40, 8, dtype=torch.float64)
+    hidden = torch.randn(6 * 4, 8, dtype=torch.float64)
+    labels = torch.randint(0, 40, (6, 4))
+    labels[:, 0] = IGNORE
+    labels[2, 3] = IGNORE
+    w = loss_weights(4, 2.0).double()
+    fn = lambda x: x @ head.T  # noqa: E731
+    h1 = hidden.clone().requires_grad_(True)
+    one = block_loss(fn, h1, labels, w)
+    one.weighted_ce.backward()
+    h2 = hidden.clone().requires_grad_(True)
+    chunked = block_loss(fn, h2, labels, w, chunk_rows=5, backward=True)
+    assert torch.allclose(one.weighted_ce.detach(), chunked.weighted_ce)
+    assert torch.allclose(h1.grad, h2.grad)
+    assert torch.equal(one.correct, chunked.correct) and torch.equal(one.accept_sum, chunked.accept_sum)
