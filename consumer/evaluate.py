@@ -340,6 +340,43 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
 
 
 # ---------------------------------------------------------------------------------------------- inputs
+class CheckpointEvaluator:
+    """τ of the live drafter at training checkpoints (``train --eval-prompts N``), rank 0 of the consumers.
+
+    The target is loaded into the consumer process on first use (on the consumer's device, the producers'
+    dtype; ``random_weights`` honoured) and kept; prompts are the first ``prompt_len`` tokens of
+    ``num_prompts`` held-out samples. Each evaluation appends ``{"step", "tau_mean", "tau_p50", "tau_p90",
+    "forwards_per_token", "loss", "time"}`` to ``RUN_DIR/eval.jsonl`` and logs ``tau step=... tau=...``.
+    Costs one extra copy of the target's weights on the consumer's device.
+    """
+
+    def __init__(self, run_cfg, device: torch.device, run_dir: str | Path, prompt_len: int = 64):
+        self.cfg = run_cfg
+        self.device = device
+        self.path = Path(run_dir) / "eval.jsonl"
+        self.prompt_len = prompt_len
+        self.target = None
+        self.prompts: list[list[int]] = []
+
+    def __call__(self, drafter: DFlashDrafter, step: int, loss: float | None) -> dict[str, Any]:
+        from producers.target import load_target
+        tc, pc = self.cfg.trainer, self.cfg.producer
+        if self.target is None:
+            self.target, _ = load_target(pc.target, self.device, pc.dtype, random_weights=pc.random_weights)
+            self.prompts = load_prompts(self.cfg.data.heldout, tc.eval_prompts, self.prompt_len)
+        t0 = time.perf_counter()
+        r = evaluate_tau(self.target, drafter, self.prompts, tc.eval_max_new_tokens, pc.target_layer_ids)
+        rec = {"step": int(step), "tau_mean": r["tau_mean"], "tau_p50": r["tau_p50"], "tau_p90": r["tau_p90"],
+               "forwards_per_token": r["forwards_per_token"], "loss": loss, "prompts": len(self.prompts),
+               "eval_s": round(time.perf_counter() - t0, 2), "time": time.time()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        logger.info("tau step=%d tau=%.3f p50=%s p90=%s forwards_per_token=%.3f loss=%s prompts=%d eval_s=%.1f",
+                    step, rec["tau_mean"], rec["tau_p50"], rec["tau_p90"], rec["forwards_per_token"],
+                    "-" if loss is None else f"{loss:.3f}", len(self.prompts), rec["eval_s"])
+        return rec
+
+
 def load_prompts(path: str | Path, num_prompts: int, prompt_len: int) -> list[list[int]]:
     """The first ``prompt_len`` tokens of ``num_prompts`` held-out samples, spread evenly over the file.
 

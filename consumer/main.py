@@ -122,12 +122,28 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int) -> None:
     tokens, t0 = 0, time.monotonic()
     last_ckpt_step = trainer.step_count
 
+    evaluator = None
+    if rank == 0 and cfg.trainer.eval_prompts > 0 and cfg.data.heldout:
+        from consumer.evaluate import CheckpointEvaluator
+        evaluator = CheckpointEvaluator(cfg, reader.device, ctx.run_dir)
+    last_loss: float | None = None
+
+    def evaluate() -> None:
+        if evaluator is None:
+            return
+        try:
+            evaluator(trainer.model, trainer.step_count, last_loss)
+        except Exception as e:  # an evaluation problem must not stop training
+            log.error("tau_eval_failed step=%d error=%s: %s", trainer.step_count, type(e).__name__, e)
+
     def checkpoint() -> None:
         nonlocal last_ckpt_step
         path = trainer.save_checkpoint()
         last_ckpt_step = trainer.step_count
         if rank == 0:
             ctx.send(m.Checkpointed(step=trainer.step_count, path=str(path)))
+        if cfg.trainer.eval_every == 0:
+            evaluate()
 
     while not ctx.stopping:
         now = time.monotonic()
@@ -169,8 +185,11 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int) -> None:
                 ctx.send(m.Trained(consumer=ctx.index, step=trainer.step_count, batch_ids=list(result["batch_ids"]),
                                    loss=float(result["loss"]), num_tokens=int(result["num_tokens"]),
                                    skipped=bool(result["skipped"])))
+            last_loss = float(result["loss"])
             if trainer.step_count % cfg.trainer.checkpoint_every == 0:
                 checkpoint()
+            if cfg.trainer.eval_every and trainer.step_count % cfg.trainer.eval_every == 0:
+                evaluate()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -98,7 +98,9 @@ class TrainerConfig:
     max_steps: int = 300
     epochs: int | None = None          # when set, train this many epochs (max_steps ignored)
     checkpoint_every: int = 100
-    eval_every: int = 0                # 0 = evaluate tau only at the end
+    eval_every: int = 0                # optimizer steps between tau evaluations; 0 = at every checkpoint
+    eval_prompts: int = 8              # held-out prompts per tau evaluation; 0 = no tau during training
+    eval_max_new_tokens: int = 32
     max_nonfinite_in_row: int = 5
     seed: int = 0
 
@@ -112,6 +114,8 @@ class TrainerConfig:
         _require(self.epochs is None or self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
         _require(self.checkpoint_every >= 1, "checkpoint_every", f"must be >= 1, got {self.checkpoint_every}")
         _require(self.max_nonfinite_in_row >= 1, "max_nonfinite_in_row", "must be >= 1")
+        _require(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")
+        _require(self.eval_prompts >= 0, "eval_prompts", f"must be >= 0, got {self.eval_prompts}")
 
     def resolved_gamma(self) -> float:
         """The loss-decay γ for this block size (DFlash paper defaults: 7 / 5 / 4 for B = 16 / 10 / 8)."""
