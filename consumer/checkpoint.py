@@ -160,15 +160,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
         raise ValueError(f"checkpoint {resolve_checkpoint(path)} lacks {missing_head}: cannot use a drafter "
                          "without the target's embedding and LM head")
     model = DFlashDrafter(dcfg).to(dtype=dtype)
-    trainable = {k: v for k, v in tensors.items() if k not in (EMBED_KEY, HEAD_KEY)}
-    expected = set(model.trainable_state_dict())
-    if set(trainable) != expected:
-        raise ValueError(f"checkpoint weights do not match the config: missing {sorted(expected - set(trainable))}, "
-                         f"unexpected {sorted(set(trainable) - expected)}")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in trainable:
-                p.copy_(trainable[name].to(p.dtype))
+    model.load_trainable(tensors, f"checkpoint {resolve_checkpoint(path)}")
     if not missing_head:
         tied = dcfg.tie_word_embeddings and torch.equal(tensors[EMBED_KEY], tensors[HEAD_KEY])
         model.load_frozen(tensors[EMBED_KEY], None if tied else tensors[HEAD_KEY])

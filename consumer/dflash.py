@@ -384,6 +384,20 @@ class DFlashDrafter(nn.Module):
         """``embed_tokens.weight`` and ``lm_head.weight`` (separate keys even when tied)."""
         return {EMBED_KEY: self.embed_tokens.weight.detach(), HEAD_KEY: self.lm_head.weight.detach()}
 
+    def load_trainable(self, tensors: dict[str, torch.Tensor], source: str) -> None:
+        """Copy the trainable weights from ``tensors`` (export names, frozen keys ignored), cast to each
+        parameter's dtype. Raises ``ValueError`` naming ``source`` and the missing/unexpected keys unless
+        the set of trainable keys matches exactly."""
+        trainable = {k: v for k, v in tensors.items() if k not in FROZEN_KEYS}
+        expected = set(self.trainable_state_dict())
+        if set(trainable) != expected:
+            raise ValueError(f"{source}: weights do not match the drafter config: missing "
+                             f"{sorted(expected - set(trainable))}, unexpected {sorted(set(trainable) - expected)}")
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name in trainable:
+                    p.copy_(trainable[name].to(p.dtype))
+
     def load_frozen(self, embed: torch.Tensor, head: torch.Tensor | None) -> None:
         """Install the target's embedding ``[V, H]`` and LM head ``[V, H]`` (``head=None``: tied), frozen,
         bit for bit in their own dtype. Raises ``ValueError`` on a shape mismatch."""

@@ -46,7 +46,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from consumer import checkpoint as ckpt
-from consumer.dflash import EMBED_KEY, HEAD_KEY, DFlashConfig, DFlashDrafter, _rope_theta, _text_config, \
+from consumer.dflash import FROZEN_KEYS, EMBED_KEY, HEAD_KEY, DFlashConfig, DFlashDrafter, _rope_theta, _text_config, \
     read_target_head
 
 logger = logging.getLogger(__name__)
@@ -270,14 +270,11 @@ def load_exported(export_dir: str | Path, target_dir: str | Path, device: str | 
     model = DFlashDrafter(dcfg).to(dtype=dtype)
     with safe_open(str(export_dir / WEIGHTS_FILE), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    expected = set(model.trainable_state_dict())
-    if set(tensors) != expected:
-        raise ValueError(f"{export_dir}/{WEIGHTS_FILE}: missing {sorted(expected - set(tensors))}, "
-                         f"unexpected {sorted(set(tensors) - expected)}")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name in tensors:
-                p.copy_(tensors[name].to(p.dtype))
+    unexpected_frozen = sorted(set(tensors) & set(FROZEN_KEYS))
+    if unexpected_frozen:
+        raise ValueError(f"{export_dir}/{WEIGHTS_FILE}: unexpected {unexpected_frozen} (an export holds no frozen "
+                         f"target tensors; the server uses the target's)")
+    model.load_trainable(tensors, f"{export_dir}/{WEIGHTS_FILE}")
     model.load_target_head(target_dir)
     return model.to(device).eval()
 
