@@ -172,6 +172,8 @@ def body(ctx: ChildContext) -> None:
         raise ConfigError(f"producer index {ctx.index} has no device: producer.devices is {cfg.producer.devices}")
     slow_write_s = slow_write_from_env()
     device = resolve_device(cfg.producer.devices[ctx.index])
+    if device.type == "cpu":  # share the cores with the other processes of the run instead of oversubscribing
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // (len(cfg.producer.devices) + len(cfg.trainer.devices))))
     ring = Ring.attach(ctx.topology.rings[ctx.index])
     try:
         if device.type == "cuda":
