@@ -229,3 +229,27 @@ def test_status_and_graceful_restart_while_training(dataset, tmp_path):
     assert code == 0, (tmp_path / "launcher.log").read_text()[-3000:]
     s = _assert_exactly_once(run_dir, expect_planned=40)
     assert s["restarts"]["1"] >= 1
+
+
+def test_sigint_checkpoints_cleans_up_and_resumes(dataset, tmp_path):
+    """SIGINT to the launcher: children stop, a checkpoint is written, nothing is left; --resume finishes."""
+    run_dir = tmp_path / "run"
+    proc = start_launcher(small_flags(dataset, run_dir, 30, checkpoint_every=1000),
+                          log_path=tmp_path / "first.log")
+    try:
+        wait_for(lambda: any(r["role"] == "consumer" and (r.get("tokens_per_s") or 0) > 0
+                             for r in status_rows(run_dir)), 180, "training to start")
+        time.sleep(2.0)
+        os.kill(proc.pid, signal.SIGINT)
+        code = _finish(proc, 90)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert code == 130, (tmp_path / "first.log").read_text()[-3000:]
+    s1 = summary(run_dir)
+    assert s1["exit_reason"] == "interrupted"
+    assert s1["last_checkpoint"], "no checkpoint written on SIGINT"
+    assert segments_of(s1["run_id"]) == [] and not (run_dir / "coord.sock").exists()
+    proc = start_launcher(["--run-dir", str(run_dir), "--resume"], log_path=tmp_path / "second.log")
+    assert _finish(proc, 240) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    _assert_exactly_once(run_dir, expect_planned=30)
