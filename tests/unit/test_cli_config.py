@@ -1,0 +1,53 @@
+"""launch.py train flags and --config files map onto RunConfig; errors name the flag or key."""
+
+import pytest
+
+from shared.errors import ConfigError
+from supervisor.cli import build_parser, config_from_args
+
+
+def parse(*argv):
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_toml_then_flags_override(tmp_path):
+    f = tmp_path / "run.toml"
+    f.write_text('[trainer]\nblock_size = 8\nnum_anchors = 128\n[producer]\ndevices = ["cpu"]\n[ring]\nnum_slots = 6\n')
+    cfg = parse("--config", str(f), "--num-anchors", "64", "--consumers", "cpu,cpu")
+    assert cfg.trainer.block_size == 8 and cfg.trainer.num_anchors == 64
+    assert cfg.producer.devices == ["cpu"] and cfg.trainer.devices == ["cpu", "cpu"] and cfg.ring.num_slots == 6
+
+
+def test_yaml_config(tmp_path):
+    pytest.importorskip("yaml")
+    f = tmp_path / "run.yaml"
+    f.write_text("trainer:\n  block_size: 10\n")
+    cfg = parse("--config", str(f))
+    assert cfg.trainer.block_size == 10 and cfg.trainer.resolved_gamma() == 5.0
+
+
+def test_cpu_defaults_apply_only_where_not_set(tmp_path):
+    cfg = parse("--producers", "cpu", "--consumers", "cpu", "--num-anchors", "512")
+    assert cfg.trainer.num_anchors == 512 and cfg.data.max_tokens == 2048 and cfg.trainer.max_steps == 200
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[trainer]\nblock_sise = 8\n", "block_sise"),
+    ("[nonsense]\nx = 1\n", "nonsense"),
+    ("[trainer]\nblock_size = 1\n", "block_size"),
+    ("[ring]\nnum_slots = 1\n", "num_slots"),
+])
+def test_bad_config_files_name_the_key(tmp_path, text, needle):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=needle):
+        parse("--config", str(f))
+
+
+def test_config_file_must_exist_and_parse(tmp_path):
+    with pytest.raises(ConfigError, match="--config"):
+        parse("--config", str(tmp_path / "missing.toml"))
+    bad = tmp_path / "broken.toml"
+    bad.write_text("[trainer\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        parse("--config", str(bad))
