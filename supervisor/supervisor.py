@@ -67,7 +67,9 @@ class Supervisor:
         self.stop_reason = ""
         self.signals = 0
         self.started_at = time.monotonic()
-        self.tokens_trained = 0
+        self.tokens_trained = 0            # tokens of every step after the first (rate = steady state)
+        self.first_trained_at: float | None = None
+        self.last_trained_at: float | None = None
         self.last_checkpoint: dict = {}
         self.consumer_error = ""
         self.rejected_frames = 0
@@ -182,7 +184,12 @@ class Supervisor:
             co.on_trained(msg)
             self.monitor.on_progress(child)
             if msg.consumer == 0:
-                self.tokens_trained += msg.num_tokens * len(self.consumers)
+                now = time.monotonic()
+                if self.first_trained_at is None:
+                    self.first_trained_at = now  # start-up (imports, model loads) is not throughput
+                else:
+                    self.tokens_trained += msg.num_tokens * len(self.consumers)
+                self.last_trained_at = now
                 self.progress.update(msg.step, msg.loss, co)
         elif isinstance(msg, m.Checkpointed):
             self.last_checkpoint = {"step": msg.step, "path": msg.path}
@@ -330,7 +337,11 @@ class Supervisor:
                 self._write_status()
 
     def tokens_per_s(self) -> float:
-        return self.tokens_trained / max(1e-9, time.monotonic() - self.started_at)
+        """Target tokens trained per second between the first and the latest optimizer step (all ranks;
+        approximated as rank 0's tokens times the number of consumers)."""
+        if self.first_trained_at is None or self.last_trained_at == self.first_trained_at:
+            return 0.0
+        return self.tokens_trained / (self.last_trained_at - self.first_trained_at)
 
     def _shutdown(self) -> None:
         """Ask consumers to checkpoint and exit, then stop producers; bounded by shutdown_timeout_s."""
