@@ -136,13 +136,13 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int) -> None:
         except Exception as e:  # an evaluation problem must not stop training
             log.error("tau_eval_failed step=%d error=%s: %s", trainer.step_count, type(e).__name__, e)
 
-    def checkpoint() -> None:
+    def checkpoint(with_eval: bool = True) -> None:
         nonlocal last_ckpt_step
         path = trainer.save_checkpoint()
         last_ckpt_step = trainer.step_count
         if rank == 0:
             ctx.send(m.Checkpointed(step=trainer.step_count, path=str(path)))
-        if cfg.trainer.eval_every == 0:
+        if with_eval and cfg.trainer.eval_every == 0:
             evaluate()
 
     while not ctx.stopping:
@@ -163,7 +163,7 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int) -> None:
         if isinstance(msg, m.Shutdown):
             log.info("shutdown reason=%s", msg.reason)
             if trainer.step_count > last_ckpt_step and (msg.reason == "done" or len(cfg.trainer.devices) == 1):
-                checkpoint()
+                checkpoint(with_eval=msg.reason == "done")  # an interrupted run stops without evaluating
             return
         if not isinstance(msg, m.SlotReady):
             log.warning("reject kind=%s reason=unexpected_for_consumer", msg.KIND)
