@@ -9,6 +9,8 @@ passed to child processes and stored in the run directory.
 from __future__ import annotations
 
 import dataclasses
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,42 @@ DEFAULT_DATA_DIR = REPO_ROOT / "data" / "demo"
 def _require(cond: bool, field_name: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{field_name}: {msg}")
+
+
+def _type_ok(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (from JSON/TOML/YAML) fits the annotation ``hint`` (int, float, str, bool,
+    ``list[T]``, ``X | None``); bools are not ints, ints are floats."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if origin is list:
+        (item,) = typing.get_args(hint) or (Any,)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    if hint is Any:
+        return True
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _build(cls, values: dict[str, Any], where: str):
+    """``cls(**values)`` after checking names and types; ``ConfigError`` names ``where.field``."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    bad = sorted(set(values) - known)
+    if bad:
+        raise ConfigError(f"unknown key(s) {bad} in config section {where!r} (known: {sorted(known)})")
+    for k, v in values.items():
+        if not _type_ok(v, hints[k]):
+            raise ConfigError(f"{where}.{k}: expected {getattr(hints[k], '__name__', hints[k])}, "
+                              f"got {type(v).__name__} {v!r}"[:300])
+    return cls(**values)
 
 
 @dataclass(kw_only=True)
@@ -108,6 +146,8 @@ class TrainerConfig:
         _require(len(self.devices) >= 1, "consumers", "at least one consumer device is needed")
         _require(self.block_size >= 2, "block_size", f"must be >= 2, got {self.block_size}")
         _require(self.num_anchors >= 1, "num_anchors", f"must be >= 1, got {self.num_anchors}")
+        _require(self.num_draft_layers is None or self.num_draft_layers >= 1, "num_draft_layers",
+                 f"must be >= 1, got {self.num_draft_layers}")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
         _require(self.grad_accum >= 1, "grad_accum", f"must be >= 1, got {self.grad_accum}")
         _require(self.max_steps >= 1, "max_steps", f"must be >= 1, got {self.max_steps}")
@@ -141,6 +181,8 @@ class MonitorConfig:
         _require(self.hang_timeout_s > 2 * self.heartbeat_interval_s, "hang_timeout_s",
                  f"must exceed twice heartbeat_interval_s ({self.heartbeat_interval_s})")
         _require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
+        for name in ("startup_timeout_s", "restart_window_s", "backoff_base_s", "backoff_max_s", "shutdown_timeout_s"):
+            _require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(kw_only=True)
@@ -171,12 +213,14 @@ class RunConfig:
                 raise ConfigError(f"unknown config key {key!r} (known: {sorted(top)})")
             if key in sections:
                 if not isinstance(value, dict):
-                    raise ConfigError(f"config section {key!r} must be a mapping")
-                known = {f.name for f in dataclasses.fields(sections[key])}
-                bad = set(value) - known
-                if bad:
-                    raise ConfigError(f"unknown key(s) {sorted(bad)} in config section {key!r} (known: {sorted(known)})")
-                kwargs[key] = sections[key](**value)
+                    raise ConfigError(f"config section {key!r} must be a mapping, got {type(value).__name__}")
+                kwargs[key] = _build(sections[key], value, key)
             else:
                 kwargs[key] = value
+        top_hints = {k: v for k, v in typing.get_type_hints(cls).items() if k not in sections}
+        for k, v in kwargs.items():
+            if k in top_hints and not _type_ok(v, top_hints[k]):
+                raise ConfigError(f"{k}: expected {top_hints[k].__name__}, got {type(v).__name__} {v!r}")
+        if kwargs.get("run_id") and not str(kwargs["run_id"]).isalnum():
+            raise ConfigError(f"run_id: must be alphanumeric, got {kwargs['run_id']!r}")
         return cls(**kwargs)

@@ -49,6 +49,7 @@ class Lease:
     ``generation`` is the producer incarnation the lease is for.
     """
     KIND: ClassVar[str] = "lease"
+    ITEM_TYPES: ClassVar[dict] = {"sample_ids": int}
     batch_id: int
     slot: int
     generation: int
@@ -104,6 +105,7 @@ class BadBatch:
 class Trained:
     """Consumer → coordinator: an optimizer step including ``batch_ids`` has been taken."""
     KIND: ClassVar[str] = "trained"
+    ITEM_TYPES: ClassVar[dict] = {"batch_ids": int}
     consumer: int
     step: int
     batch_ids: list
@@ -250,4 +252,10 @@ def decode(data: bytes) -> Any:
         if not isinstance(value, ok) or (isinstance(value, bool) and bool not in ok):
             raise MessageError(f"{kind} message field {f.name!r} should be {ok[0].__name__}, "
                                f"got {type(value).__name__}")
+        item = getattr(cls, "ITEM_TYPES", {}).get(f.name)
+        if item is not None:
+            bad = next((x for x in value if not isinstance(x, item) or isinstance(x, bool)), None)
+            if bad is not None:
+                raise MessageError(f"{kind} message field {f.name!r} should hold only {item.__name__}s, "
+                                   f"got {type(bad).__name__} {bad!r}"[:300])
     return cls(**body)

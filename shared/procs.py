@@ -138,12 +138,17 @@ def peer_identity(role: str, index: int, generation: int) -> str:
 
 
 def parse_identity(identity: bytes) -> tuple[str, int, int] | None:
-    """``(role, index, generation)`` of an identity made by ``peer_identity``; None if it is not one."""
-    m = _IDENTITY_RE.match(identity.decode(errors="replace"))
-    return (m["role"], int(m["index"]), int(m["gen"])) if m else None
+    """``(role, index, generation)`` of an identity made by ``peer_identity``; None for anything else,
+    including other spellings of the same numbers (leading zeros, a trailing newline, non-ASCII digits),
+    which ZeroMQ would treat as different peers."""
+    m = _IDENTITY_RE.fullmatch(identity.decode(errors="replace"))
+    if not m:
+        return None
+    parsed = (m["role"], int(m["index"]), int(m["gen"]))
+    return parsed if peer_identity(*parsed).encode() == identity else None
 
 
-_IDENTITY_RE = re.compile(r"^(?P<role>producer|consumer)-(?P<index>\d+)-g(?P<gen>\d+)$")
+_IDENTITY_RE = re.compile(r"(?P<role>producer|consumer)-(?P<index>[0-9]+)-g(?P<gen>[0-9]+)")
 
 
 def child_argv(module: str, run_dir: str, index: int, generation: int) -> list[str]:

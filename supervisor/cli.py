@@ -144,7 +144,9 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     explicit: set[tuple[str, str]] = set()
     if args.config:
         for key, value in _load_file(args.config).items():
-            if isinstance(value, dict) and isinstance(base.get(key), dict):
+            if isinstance(base.get(key), dict):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"--config: section {key!r} must be a mapping, got {type(value).__name__}")
                 base[key].update(value)
                 explicit.update((key, k) for k in value)
             else:
@@ -154,7 +156,11 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         if value is not None:
             base[section][field_name] = value
             explicit.add((section, field_name))
-    if all(d == "cpu" for d in base["producer"]["devices"] + base["trainer"]["devices"]):
+    devices = [base["producer"]["devices"], base["trainer"]["devices"]]
+    if not all(isinstance(d, list) and all(isinstance(x, str) for x in d) for d in devices):
+        raise ConfigError(f"--config: producer.devices and trainer.devices must be lists of device names, "
+                          f"got {devices[0]!r} and {devices[1]!r}")
+    if all(d == "cpu" for d in devices[0] + devices[1]):
         for (section, field_name), value in CPU_DEFAULTS.items():
             if (section, field_name) not in explicit:
                 base[section][field_name] = value
@@ -171,8 +177,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         base["data"]["seed"] = args.seed
     try:
         return RunConfig.from_dict(base)
-    except TypeError as e:
-        raise ConfigError(f"--config: {e}") from None
+    except (TypeError, ConfigError) as e:
+        raise ConfigError(f"--config/flags: {e}") from None
 
 
 def _setup_logging(run_dir: str | None = None) -> None:
@@ -243,6 +249,12 @@ def status_main(argv: list[str]) -> int:
     ap.add_argument("--json", action="store_true", help="print the raw status as JSON")
     args = ap.parse_args(argv)
     from shared import channel, messages as m
+    from supervisor.resume import supervisor_alive
+    if (Path(args.run_dir) / "topology.json").is_file() and supervisor_alive(Path(args.run_dir)) is None:
+        summary = Path(args.run_dir) / "summary.json"
+        print(f"no run is going in {args.run_dir} (its supervisor has exited)"
+              + (f"; see {summary}" if summary.is_file() else ""), file=sys.stderr)
+        return 1
     try:
         reply = channel.request(_address(args.run_dir), m.Command(action="status"), timeout_s=5.0)
     except (ConfigError, PeerTimeout) as e:

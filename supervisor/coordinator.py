@@ -101,6 +101,8 @@ class Coordinator:
         self.loss_last: float | None = None
         self.consumer_bad_retries: Counter = Counter()
         self.redeliver_to: dict[int, int] = {}
+        self.delivered_ids: set[int] = set()                 # every batch handed to a consumer
+        self.consumer_live = [False] * num_consumers         # a Hello arrived: its socket is connected
         self.ready_msgs: dict[tuple[int, int], m.SlotReady] = {}   # (producer, slot) → its SlotReady
 
     # ------------------------------------------------------------------ queries
@@ -161,6 +163,10 @@ class Coordinator:
         return False
 
     def _slot(self, p: int, slot: int, what: str) -> Slot | None:
+        if not 0 <= p < len(self.producers):
+            self.rejected["bad_producer_index"] += 1
+            log.warning("reject %s producer=%s reason=no_such_producer", what, p)
+            return None
         slots = self.producers[p].slots
         if not 0 <= slot < len(slots):
             self.rejected["bad_slot"] += 1
@@ -173,6 +179,8 @@ class Coordinator:
             if self._fenced(index, generation, "hello"):
                 return
             self.producers[index].live = True
+        elif role == "consumer" and 0 <= index < self.num_consumers:
+            self.consumer_live[index] = True
 
     def on_slot_ready(self, msg: m.SlotReady) -> bool:
         """A producer published a slot; returns False if the message was rejected."""
@@ -248,8 +256,9 @@ class Coordinator:
         if 0 <= msg.consumer < self.num_consumers:
             self.last_step[msg.consumer] = max(self.last_step[msg.consumer], msg.step)
         for b in msg.batch_ids:
-            if b not in self.batches:
-                self.rejected["unknown_batch"] += 1
+            if b not in self.delivered_ids:  # never delivered: a forged or confused report changes nothing
+                self.rejected["undelivered_batch"] += 1
+                log.warning("reject trained consumer=%s batch=%s reason=never_delivered", msg.consumer, b)
                 continue
             self.trained_counts[b] += 1
             self.trained.add(b)
@@ -257,6 +266,30 @@ class Coordinator:
             if self.loss_first is None:
                 self.loss_first = msg.loss
             self.loss_last = msg.loss
+
+    def undeliver(self, msg: m.SlotReady, consumer: int) -> None:
+        """A delivery could not be sent (the consumer is not connected): the slot is READY again and the
+        batch goes back to the head of the queue, for the same consumer."""
+        s = self.producers[msg.producer].slots[msg.slot]
+        if s.state != READING or s.batch_id != msg.batch_id:
+            return
+        s.state, s.consumer = READY, -1
+        self.unreleased[consumer] -= 1
+        self.delivered_ids.discard(msg.batch_id)
+        self.ready_msgs[(msg.producer, msg.slot)] = msg
+        self.to_deliver.appendleft(msg.batch_id)
+        self.redeliver_to[msg.batch_id] = consumer
+        self.consumer_live[consumer] = False  # until it says Hello (again)
+
+    def unlease(self, lease: m.Lease, producer: int) -> None:
+        """A lease could not be sent: its slot is FREE again and the batch back in the lease queue."""
+        ps = self.producers[producer]
+        s = ps.slots[lease.slot]
+        if s.state != WRITING or s.batch_id != lease.batch_id or s.generation != lease.generation:
+            return
+        ps.slots[lease.slot] = Slot()
+        self.where.pop(lease.batch_id, None)
+        heapq.heappush(self._lease_heap, (self.position[lease.batch_id], lease.batch_id))
 
     # ------------------------------------------------------------------ actions
     def pump(self) -> list[tuple[str, int, Any]]:
@@ -277,7 +310,7 @@ class Coordinator:
                 break
             redelivery = b in self.redeliver_to
             c = self.redeliver_to[b] if redelivery else self.delivered % self.num_consumers
-            if self.unreleased[c] >= self.max_unreleased:
+            if not self.consumer_live[c] or self.unreleased[c] >= self.max_unreleased:
                 break
             self.to_deliver.popleft()
             if redelivery:
@@ -286,6 +319,7 @@ class Coordinator:
                 self.delivered += 1
             self.unreleased[c] += 1
             s.state, s.consumer = READING, c
+            self.delivered_ids.add(b)
             out.append(("consumer", c, self.ready_msgs.pop((p, i))))
         # leases, lowest plan position first, to the live producer with most free slots
         while self._lease_heap:

@@ -22,7 +22,7 @@ from shared.config import REPO_ROOT, RunConfig
 from shared.errors import ConfigError
 
 
-def _supervisor_alive(run_dir: Path) -> int | None:
+def supervisor_alive(run_dir: Path) -> int | None:
     """Pid of a live supervisor that owns ``run_dir``, else None."""
     p = run_dir / "topology.json"
     try:
@@ -41,7 +41,7 @@ def _supervisor_alive(run_dir: Path) -> int | None:
 def stale_sockets(run_dir: Path) -> list[Path]:
     """Socket files in ``run_dir`` left by a supervisor that is no longer alive."""
     sock = Path(run_dir) / "coord.sock"
-    if sock.exists() and _supervisor_alive(Path(run_dir)) is None:
+    if sock.exists() and supervisor_alive(Path(run_dir)) is None:
         return [sock]
     return []
 
@@ -59,7 +59,7 @@ def prepare_run_dir(cfg: RunConfig) -> None:
         tmp.symlink_to(stamp)
         os.replace(tmp, latest)
     run_dir = Path(cfg.run_dir)
-    pid = _supervisor_alive(run_dir)
+    pid = supervisor_alive(run_dir)
     if pid is not None:
         raise ConfigError(f"--run-dir: a run is already going in {run_dir} (supervisor pid {pid}); "
                           f"watch it with `launch.py status --run-dir {run_dir}`")

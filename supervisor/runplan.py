@@ -102,6 +102,33 @@ def slot_bytes_for(max_real_tokens: int, max_batch_size: int, num_layers: int, h
     return (need + PAGE - 1) // PAGE * PAGE
 
 
+def check_token_ids(path: str, vocab_size: int | None) -> None:
+    """Raise ``ConfigError`` naming the first sample (row) whose token ids fall outside ``[0, vocab_size)``.
+
+    One vectorised pass over the memory-mapped ``input_ids`` values (no Python objects per token).
+    """
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    if not vocab_size:
+        return
+    row0 = 0
+    with pa.memory_map(str(path)) as src:
+        reader = ipc.open_file(src)
+        for i in range(reader.num_record_batches):
+            col = reader.get_batch(i).column("input_ids")
+            values = col.flatten().to_numpy(zero_copy_only=False)
+            bad = np.flatnonzero((values < 0) | (values >= vocab_size))
+            if bad.size:
+                offsets = col.offsets.to_numpy(zero_copy_only=False) - col.offsets[0].as_py()
+                row = int(np.searchsorted(offsets, bad[0], side="right")) - 1
+                raise ConfigError(f"--data: sample {row0 + row} of {path} has token id {int(values[bad[0]])}, "
+                                  f"outside the target's vocabulary of {vocab_size} ({bad.size} such tokens in "
+                                  f"record batch {i}); was it prepared with another tokenizer?")
+            row0 += len(col)
+
+
 def resolve_run(cfg: RunConfig) -> RunPlan:
     """Validate ``cfg`` and compute the ``RunPlan``; raises ``ConfigError`` naming the flag at fault.
 
@@ -129,9 +156,14 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         cfg.data.data, cfg.data.heldout = str(train), cfg.data.heldout or str(heldout)
     if not Path(cfg.data.data).is_file():
         raise ConfigError(f"--data: {cfg.data.data} does not exist (build one with `launch.py prepare`)")
-    ds = TokenDataset(cfg.data.data)
+    try:
+        ds = TokenDataset(cfg.data.data)
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise ConfigError(f"--data: {cfg.data.data} is not a dataset written by `launch.py prepare`: "
+                          f"{type(e).__name__}: {e}") from None
     if len(ds) == 0:
         raise ConfigError(f"--data: {cfg.data.data} has no samples")
+    check_token_ids(cfg.data.data, int(shape.get("vocab_size", 0)) or None)
     if ds.vocab_size is not None and ds.vocab_size > int(shape.get("vocab_size", ds.vocab_size)):
         raise ConfigError(f"--data: tokenized with a vocabulary of {ds.vocab_size}, larger than the target's "
                           f"{shape.get('vocab_size')}")

@@ -126,12 +126,28 @@ class Supervisor:
         group = self.producers if role == "producer" else self.consumers if role == "consumer" else []
         return group[index] if isinstance(index, int) and 0 <= index < len(group) else None
 
-    def _send(self, role: str, index: int, msg) -> None:
+    def _send(self, role: str, index: int, msg) -> bool:
+        """Send to a child; a lease or delivery that cannot be sent (peer not connected) is rolled back."""
         try:
             child = self._child(role, index)
             channel.send(self.router, msg, to=peer_identity(role, index, child.generation).encode())
+            return True
         except zmq.ZMQError as e:
             log.warning("send_failed to=%s-%d kind=%s error=%s", role, index, msg.KIND, e)
+            if isinstance(msg, m.SlotReady):
+                self.coordinator.undeliver(msg, index)
+            elif isinstance(msg, m.Lease):
+                self.coordinator.unlease(msg, index)
+            return False
+
+    def _handle_safely(self, peer: bytes, msg) -> None:
+        """``_handle``, but a message that trips an error is logged and counted, never fatal to the loop."""
+        try:
+            self._handle(peer, msg)
+        except Exception as e:
+            self.rejected_frames += 1
+            log.error("reject kind=%s peer=%r reason=handler_error error=%s: %s", getattr(msg, "KIND", "?"), peer,
+                      type(e).__name__, e)
 
     def _handle(self, peer: bytes, msg) -> None:
         co = self.coordinator
@@ -300,14 +316,21 @@ class Supervisor:
                 self._spawn(c)
             self._loop()
             self._shutdown()
+        except BaseException as e:
+            self.stop_reason = f"supervisor_error: {type(e).__name__}: {e}"
+            log.exception("supervisor_error")
+            raise
         finally:
             self._cleanup()
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             self.progress.close()
-        reason = self.stop_reason or "done"
-        outcome = Outcome(reason, 0 if reason == "done" else 1 if reason != "interrupted" else 130)
-        self._write_summary(outcome)
+            co = self.coordinator
+            if (self.stop_reason or "done") == "done" and co is not None and co.bad and not co.trained:
+                self.stop_reason = "all_batches_bad"  # nothing trainable: not a success
+            reason = self.stop_reason or "done"
+            outcome = Outcome(reason, 0 if reason == "done" else 130 if reason == "interrupted" else 1)
+            self._write_summary(outcome)
         return outcome
 
     def _on_signal(self, signum, _frame) -> None:
@@ -323,7 +346,7 @@ class Supervisor:
         while not self.stop_reason:
             got = channel.recv_from(self.router, POLL_S)
             while got is not None:
-                self._handle(*got)
+                self._handle_safely(*got)
                 got = channel.recv_from(self.router, 0)
             for role, index, msg in co.pump():
                 self._send(role, index, msg)
@@ -353,7 +376,7 @@ class Supervisor:
         while any(c.alive() for c in self.consumers) and time.monotonic() < deadline and self.signals < 2:
             got = channel.recv_from(self.router, POLL_S)
             if got is not None:
-                self._handle(*got)
+                self._handle_safely(*got)
         for c in self.producers:
             if c.alive():
                 c.state = "stopping"

@@ -51,3 +51,19 @@ def test_config_file_must_exist_and_parse(tmp_path):
     bad.write_text("[trainer\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         parse("--config", str(bad))
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('[producer]\ndevices = "cpu"\n', "devices"),
+    ("data = 5\n", "data"),
+    ('[data]\nmax_tokens = "abc"\n', "data.max_tokens"),
+    ("[ring]\nnum_slots = 3.5\n", "ring.num_slots"),
+    ('run_id = "../../etc"\n', "run_id"),
+    ("[monitor]\nbackoff_base_s = -1\n", "backoff_base_s"),
+    ("[trainer]\nnum_draft_layers = 0\n", "num_draft_layers"),
+])
+def test_config_values_of_the_wrong_type_or_range_name_the_field(tmp_path, text, needle):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
+        parse("--config", str(f))

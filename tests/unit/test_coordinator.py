@@ -19,6 +19,8 @@ def ready(lease: m.Lease, producer: int) -> m.SlotReady:
 
 def test_leases_respect_free_slots_and_plan_order():
     co = Coordinator(order(10), num_producers=2, num_slots=2, num_consumers=1)
+    for c in range(1):
+        co.on_hello("consumer", c, 1)
     assert co.pump() == []  # no producer has said hello
     co.on_hello("producer", 0, 1)
     out = co.pump()
@@ -31,6 +33,8 @@ def test_leases_respect_free_slots_and_plan_order():
 
 def test_delivery_waits_for_plan_order_and_round_robins_consumers():
     co = Coordinator(order(4), num_producers=2, num_slots=2, num_consumers=2)
+    for c in range(2):
+        co.on_hello("consumer", c, 1)
     co.on_hello("producer", 0, 1)
     co.on_hello("producer", 1, 1)
     leases = {msg.batch_id: (i, msg) for _, i, msg in co.pump()}
@@ -45,6 +49,8 @@ def test_delivery_waits_for_plan_order_and_round_robins_consumers():
 
 def test_stale_generation_is_rejected_and_death_requeues_writing_slots():
     co = Coordinator(order(6), num_producers=1, num_slots=3, num_consumers=1)
+    for c in range(1):
+        co.on_hello("consumer", c, 1)
     co.on_hello("producer", 0, 1)
     leases = [msg for _, _, msg in co.pump()]
     assert [l.batch_id for l in leases] == [0, 1, 2]
@@ -65,6 +71,8 @@ def test_stale_generation_is_rejected_and_death_requeues_writing_slots():
 
 def test_unreleased_credit_limits_deliveries():
     co = Coordinator(order(6), num_producers=1, num_slots=6, num_consumers=1, max_unreleased=2)
+    for c in range(1):
+        co.on_hello("consumer", c, 1)
     co.on_hello("producer", 0, 1)
     for _, _, lease in co.pump():
         co.on_slot_ready(ready(lease, 0))
@@ -79,6 +87,8 @@ def test_unreleased_credit_limits_deliveries():
 
 def test_bad_batch_from_producer_is_skipped_and_counted():
     co = Coordinator(order(3), num_producers=1, num_slots=3, num_consumers=1)
+    for c in range(1):
+        co.on_hello("consumer", c, 1)
     co.on_hello("producer", 0, 1)
     leases = [msg for _, _, msg in co.pump()]
     co.on_bad_batch(m.BadBatch(producer=0, generation=1, slot=leases[0].slot, batch_id=0, reason="nan"),
@@ -90,6 +100,8 @@ def test_bad_batch_from_producer_is_skipped_and_counted():
 
 def test_resume_skips_trained_batches():
     co = Coordinator(order(5), num_producers=1, num_slots=5, num_consumers=1, trained={0, 1, 3})
+    for c in range(1):
+        co.on_hello("consumer", c, 1)
     co.on_hello("producer", 0, 1)
     assert [msg.batch_id for _, _, msg in co.pump()] == [2, 4]
     assert co.trained_before == 3
@@ -106,6 +118,8 @@ def test_random_deaths_keep_exactly_once_and_order(seed):
     rng = random.Random(seed)
     n_batches, n_prod, n_cons = 60, 3, 2
     co = Coordinator(order(n_batches), num_producers=n_prod, num_slots=2, num_consumers=n_cons)
+    for c in range(n_cons):
+        co.on_hello("consumer", c, 1)
     alive = {p: True for p in range(n_prod)}
     gens = {p: 1 for p in range(n_prod)}
     for p in range(n_prod):
@@ -149,3 +163,43 @@ def test_random_deaths_keep_exactly_once_and_order(seed):
     assert delivered == list(range(n_batches))
     for c, got in per_consumer.items():
         assert got == list(range(c, n_batches, n_cons)), f"consumer {c} got {got}"
+
+
+def test_deliveries_wait_for_the_consumers_hello_and_a_failed_send_is_rolled_back():
+    co = Coordinator(order(3), num_producers=1, num_slots=3, num_consumers=1)
+    co.on_hello("producer", 0, 1)
+    for _, _, lease in co.pump():
+        co.on_slot_ready(ready(lease, 0))
+    assert co.pump() == []                 # consumer not connected yet: nothing is sent into the void
+    co.on_hello("consumer", 0, 1)
+    out = co.pump()
+    assert [msg.batch_id for _, _, msg in out] == [0, 1]
+    co.undeliver(out[1][2], 0)             # the send of batch 1 failed
+    co.undeliver(out[0][2], 0)             # and of batch 0
+    assert co.occupancy(0)["READY"] == 3 and co.unreleased == [0]
+    assert co.pump() == []                 # the consumer must say hello again
+    co.on_hello("consumer", 0, 1)
+    assert [msg.batch_id for _, _, msg in co.pump()] == [0, 1]
+
+
+def test_trained_for_a_batch_never_delivered_is_rejected():
+    co = Coordinator(order(4), num_producers=1, num_slots=4, num_consumers=1)
+    co.on_hello("producer", 0, 1)
+    co.on_hello("consumer", 0, 1)
+    for _, _, lease in co.pump():
+        co.on_slot_ready(ready(lease, 0))
+    delivered = [msg.batch_id for _, _, msg in co.pump()]
+    co.on_trained(m.Trained(consumer=0, step=1, batch_ids=delivered + [3, 999], loss=1.0, num_tokens=8))
+    assert co.trained == set(delivered) and co.rejected["undelivered_batch"] == 2
+    co.on_bad_batch(m.BadBatch(producer=99, generation=1, slot=0, batch_id=0, reason="x"), from_consumer=True)
+    co.on_bad_batch(m.BadBatch(producer=-1, generation=1, slot=0, batch_id=0, reason="x"), from_consumer=True)
+    assert co.rejected["bad_producer_index"] == 2
+
+
+def test_failed_lease_send_is_rolled_back():
+    co = Coordinator(order(2), num_producers=1, num_slots=2, num_consumers=1)
+    co.on_hello("producer", 0, 1)
+    leases = [msg for _, _, msg in co.pump()]
+    co.unlease(leases[1], 0)
+    assert co.occupancy(0)["FREE"] == 1
+    assert [msg.batch_id for _, _, msg in co.pump()] == [1]

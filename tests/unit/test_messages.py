@@ -27,7 +27,9 @@ _SAMPLE = {int: -123456789012, float: 0.1 + 0.2, str: "naïve ✓ text", bool: T
 def example(cls) -> object:
     """An instance of message class ``cls`` with every field set to a non-default sample value."""
     hints = typing.get_type_hints(cls)
-    return cls(**{f.name: _SAMPLE[hints[f.name]] for f in dataclasses.fields(cls)})
+    items = getattr(cls, "ITEM_TYPES", {})  # lists whose items are typed (ids) get a list of such items
+    return cls(**{f.name: [7, -8, 9] if items.get(f.name) is int else _SAMPLE[hints[f.name]]
+                  for f in dataclasses.fields(cls)})
 
 
 def frame(kind="shutdown", v=messages.SCHEMA_VERSION, **fields) -> bytes:
@@ -211,3 +213,16 @@ def test_encode_refuses_what_is_not_a_message():
 def test_message_error_is_a_value_error():
     # Receivers may catch ValueError generically; MessageError must stay one.
     assert issubclass(MessageError, ValueError)
+
+
+@pytest.mark.parametrize("kind, field, bad", [("trained", "batch_ids", [[1]]), ("trained", "batch_ids", [{}]),
+                                              ("trained", "batch_ids", [True]), ("lease", "sample_ids", ["3"])])
+def test_list_items_of_the_wrong_type_are_rejected(kind, field, bad):
+    import msgpack
+    from shared.errors import MessageError
+    from shared.messages import decode
+    body = {"trained": {"consumer": 0, "step": 1, "batch_ids": [1], "loss": 1.0, "num_tokens": 1},
+            "lease": {"batch_id": 1, "slot": 0, "generation": 1, "epoch": 0, "sample_ids": [1], "pad_to": 4}}[kind]
+    body = dict(body, **{field: bad}, kind=kind, v=1)
+    with pytest.raises(MessageError, match=field):
+        decode(msgpack.packb(body))
