@@ -1,8 +1,17 @@
 #!/usr/bin/env python3
-"""specring command line: ``prepare``, ``train`` (the default), ``eval``, ``export``, ``status``,
-``restart``, ``clean``, ``bench``.
+"""specring: train speculative-decoding drafters (DFlash) from a target LLM's hidden states.
 
-This file only dispatches: each subcommand's flags and work live in the module that owns them.
+Commands (the default is train):
+  train     train a drafter: producers (targets) and consumers (drafter trainers) as separate processes
+  prepare   tokenize JSONL/Parquet data into the Arrow format train reads (--demo: the embedded corpus)
+  status    one line per process of a running run (--run-dir)
+  restart   restart one producer of a running run gracefully (restart producer N --run-dir R)
+  clean     remove shared-memory segments and sockets left by runs whose supervisor died
+  eval      acceptance length tau by real speculative decoding with the target
+  export    write a trained drafter as a DFlashDraftModel directory for SGLang/vLLM
+  bench     run a benchmark from benchmarks/ (transport, producer, trainer, e2e)
+
+Run `python launch.py COMMAND --help` for a command's flags.
 """
 
 from __future__ import annotations
@@ -26,9 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run a subcommand (``train`` when none is named); returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-h", "--help"):
-        print(__doc__.strip())
-        print("\nusage: launch.py [COMMAND] [FLAGS]   (COMMAND --help for its flags)")
-        print("commands: " + ", ".join(COMMANDS))
+        print("usage: launch.py [COMMAND] [FLAGS]\n\n" + __doc__.strip())
         return 0
     name = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     module, func = COMMANDS[name]

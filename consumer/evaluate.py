@@ -521,11 +521,12 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         prompts = load_prompts(path, args.num_prompts, args.prompt_len)
         ref = None
         if not args.no_lossless_check:
-            ref = [greedy_generate(target, p, args.max_new_tokens, stop) for p in prompts]
+            ref = [greedy_generate(target, p, args.max_new_tokens, stop)
+                   for p in _progress(prompts, f"{path.stem}: target greedy")]
             rows.append({"dataset": path.stem, "drafter": "target greedy (reference)", **summarize(ref, bsz)})
         for name, proposer in rows_spec:
             res = [speculative_generate(target, proposer, p, args.max_new_tokens, bsz, dcfg.target_layer_ids, stop)
-                   for p in prompts]
+                   for p in _progress(prompts, f"{path.stem}: {name}")]
             row = {"dataset": path.stem, "drafter": name, **summarize(res, bsz)}
             if ref is not None:
                 row["lossless_mismatches"] = sum(r.tokens != g.tokens for r, g in zip(res, ref))
@@ -535,6 +536,12 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": str(dtype).replace("torch.", ""), "block_size": bsz, "num_prompts": args.num_prompts,
             "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "stop_token_ids": stop,
             "target_layer_ids": dcfg.target_layer_ids, "rows": rows}
+
+
+def _progress(items: list, desc: str):
+    """A tqdm bar over ``items`` (one tick per prompt) on stderr."""
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, unit="prompt", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
 def format_table(report: dict[str, Any]) -> str:

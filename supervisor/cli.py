@@ -45,7 +45,7 @@ FLAGS = {
     "consumers": ("trainer", "devices", _devices, "one drafter trainer (data-parallel rank) per device"),
     "block_size": ("trainer", "block_size", int, "DFlash block size B"),
     "num_anchors": ("trainer", "num_anchors", int, "anchors per sequence"),
-    "num_draft_layers": ("trainer", "num_draft_layers", int, "drafter layers (default: number of captured layers)"),
+    "num_draft_layers": ("trainer", "num_draft_layers", int, "drafter layers (default: number of captured layers; 2 on CPU)"),
     "lr": ("trainer", "lr", float, "peak learning rate"),
     "warmup_steps": ("trainer", "warmup_steps", int, "learning-rate warm-up steps"),
     "grad_accum": ("trainer", "grad_accum", int, "micro-batches per optimizer step"),
@@ -206,7 +206,7 @@ def train_main(argv: list[str]) -> int:
             print(f"resuming with the configuration saved in {saved} (flags other than --run-dir are ignored)",
                   file=sys.stderr)
         from supervisor.resume import prepare_run_dir
-        prepare_run_dir(cfg)
+        prepare_run_dir(cfg, plan_only=args.plan)
         from supervisor.runplan import resolve_run
         plan = resolve_run(cfg)
     except ConfigError as e:
@@ -222,11 +222,15 @@ def train_main(argv: list[str]) -> int:
     with logging_redirect_tqdm():
         outcome = sup.run()
     s = sup.summary
-    print(f"\nrun {s['exit_reason']}: {s['trained_batches']}/{s['planned_batches']} batches trained "
-          f"(duplicates {s['duplicate_batches']}, lost {s['lost_batches']}, bad {s['bad_batches']}), "
-          f"loss {_fmt(s['loss_first'])} -> {_fmt(s['loss_last'])}, {s['tokens_per_s']:,.0f} tokens/s, "
-          f"{s['elapsed_s']:.0f} s, restarts {s['restarts']}\nsummary: {Path(cfg.run_dir) / 'summary.json'}",
-          file=sys.stderr)
+    restarts = " ".join(f"producer{k}={v}" for k, v in s["restarts"].items())
+    line = (f"\nrun {s['exit_reason']}: {s['trained_batches']}/{s['planned_batches']} batches trained "
+            f"(duplicates {s['duplicate_batches']}, lost {s['lost_batches']}, bad {s['bad_batches']}), "
+            f"loss {_fmt(s['loss_first'])} -> {_fmt(s['loss_last'])}, {s['tokens_per_s']:,.0f} tokens/s, "
+            f"{s['elapsed_s']:.0f} s, restarts {restarts}\nsummary: {Path(cfg.run_dir) / 'summary.json'}")
+    if s["remaining_batches"]:
+        line += (f"\n{s['remaining_batches']} batches not trained yet; continue with "
+                 f"`python launch.py train --run-dir {cfg.run_dir} --resume`")
+    print(line, file=sys.stderr)
     return outcome.exit_code
 
 

@@ -46,12 +46,16 @@ def stale_sockets(run_dir: Path) -> list[Path]:
     return []
 
 
-def prepare_run_dir(cfg: RunConfig) -> None:
-    """Pick and check ``cfg.run_dir`` (see module docstring); raises ``ConfigError`` naming ``--run-dir``."""
+def prepare_run_dir(cfg: RunConfig, plan_only: bool = False) -> None:
+    """Pick and check ``cfg.run_dir`` (see module docstring); raises ``ConfigError`` naming ``--run-dir``.
+
+    With ``plan_only`` (``train --plan``) nothing on disk changes: ``runs/latest`` is not moved."""
     if cfg.run_dir in ("", "runs/default") and not cfg.resume:
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         cfg.run_dir = str(REPO_ROOT / "runs" / stamp)
         latest = REPO_ROOT / "runs" / "latest"
+        if plan_only:
+            return
         latest.parent.mkdir(parents=True, exist_ok=True)
         tmp = latest.with_name(f".latest-{os.getpid()}")
         if tmp.is_symlink():

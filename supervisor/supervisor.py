@@ -420,7 +420,10 @@ class Supervisor:
             "trained_before_resume": co.trained_before if co else 0,
             "trained_batches": len(co.trained) if co else 0,
             "duplicate_batches": co.duplicates if co else 0,
-            "lost_batches": len(co.lost()) if co else 0,
+            # lost: a finished run that did not train a batch it planned (must be 0); remaining: batches a
+            # stopped run has not reached yet (--resume trains them)
+            "lost_batches": len(co.lost()) if co and outcome.exit_reason == "done" else 0,
+            "remaining_batches": len(co.lost()) if co and outcome.exit_reason != "done" else 0,
             "bad_batches": len(co.bad) if co else 0,
             "restarts": {str(c.index): c.restarts for c in self.producers},
             "loss_first": co.loss_first if co else None,
