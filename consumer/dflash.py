@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# One definition of the default capture layers for producer and consumer (re-exported here).
-from producers.target import default_target_layer_ids, resolve_layer_ids  # noqa: F401
+# One definition of the default capture layers for producer and consumer.
+from producers.target import resolve_layer_ids
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +35,7 @@ log = logging.getLogger(__name__)
 
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
-EXIT_OK, EXIT_ERROR, EXIT_CONFIG = 0, 1, 2
+EXIT_OK, EXIT_ERROR = 0, 1
 
 
 def _prctl(option: int, arg: int) -> None:
@@ -249,24 +248,3 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
         sock.close(linger=channel.LINGER_MS)
         zctx.term()
     return code
-
-
-def wait_any(procs: list[subprocess.Popen], timeout_s: float) -> None:
-    """Sleep until any of ``procs`` exits or ``timeout_s`` passes (waits on pidfds where available)."""
-    deadline = time.monotonic() + timeout_s
-    fds = []
-    if hasattr(os, "pidfd_open"):
-        import select
-        for p in procs:
-            try:
-                fds.append(os.pidfd_open(p.pid))
-            except OSError:
-                return  # already gone: let the caller look
-        try:
-            select.select(fds, [], [], max(0.0, deadline - time.monotonic()))
-        finally:
-            for fd in fds:
-                os.close(fd)
-        return
-    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-        time.sleep(0.05)

@@ -96,7 +96,6 @@ class Coordinator:
         self.trained_counts: Counter = Counter()
         self.bad: dict[int, str] = {}
         self.rejected = Counter()                            # reason → count
-        self.last_step = [0] * num_consumers
         self.loss_first: float | None = None
         self.loss_last: float | None = None
         self.consumer_bad_retries: Counter = Counter()
@@ -253,8 +252,6 @@ class Coordinator:
 
     def on_trained(self, msg: m.Trained) -> None:
         """A consumer took an optimizer step covering ``msg.batch_ids``."""
-        if 0 <= msg.consumer < self.num_consumers:
-            self.last_step[msg.consumer] = max(self.last_step[msg.consumer], msg.step)
         for b in msg.batch_ids:
             if b not in self.delivered_ids:  # never delivered: a forged or confused report changes nothing
                 self.rejected["undelivered_batch"] += 1

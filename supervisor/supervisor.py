@@ -21,8 +21,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

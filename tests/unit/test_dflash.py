@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 import consumer.dflash as dflash
 from consumer.blocks import build_attention_mask, build_block_batch
-from consumer.dflash import DFlashConfig, DFlashDrafter, build_drafter, default_target_layer_ids
+from consumer.dflash import DFlashConfig, DFlashDrafter, build_drafter
+from producers.target import default_target_layer_ids
 
 TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 
