@@ -12,22 +12,10 @@ import torch
 
 from shared import layout, messages
 from shared.errors import MessageError, PayloadTooLarge
+from tests.system.ring_worker import sample_tensor as make_tensor  # the cross-process round trip uses it too
 
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 4), (2, 3, 4, 5), (1, 2, 1, 3, 1, 2)]
 
-
-def make_tensor(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:
-    """A tensor of ``dtype``/``shape`` with seeded, non-trivial values (every bit pattern class used)."""
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    if dtype.is_complex:
-        return torch.randn(shape, dtype=dtype, generator=g)
-    if dtype.is_floating_point:
-        return (torch.randn(shape, generator=g, dtype=torch.float64) * 100).to(dtype)
-    info = torch.iinfo(dtype)
-    lo, hi = max(info.min, -(2**62)), min(info.max, 2**62)
-    return torch.randint(lo, hi, shape, generator=g, dtype=torch.int64).to(dtype)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
