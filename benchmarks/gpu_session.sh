@@ -21,13 +21,15 @@ step() {  # step NAME TIMEOUT_S CMD...
 STEPS="$*"
 has() { [ -z "$STEPS" ] || [[ " $STEPS " == *" $1 "* ]]; }
 has transport && step transport 100 python3 benchmarks/transport.py --quick
-has producer && step producer 75 python3 benchmarks/producer.py --device cuda:0 --shape qwen3-8b --batches 6 --seq-len 2048 --batch-size 4 --repeats 1 --warmup 1
+has producer && step producer 150 python3 benchmarks/producer.py --device cuda:0 --shape qwen3-8b --batches 8 --seq-len 2048 --batch-size 4 --repeats 3 --warmup 1
 has trainer && step trainer 60 python3 benchmarks/trainer.py --device cuda:0 --shape qwen3-8b --seq-len 2048 --num-anchors 512 --steps 4 --warmup 2
-has fixture && step e2e_fixture 80 python3 benchmarks/e2e.py --run-dir runs/gpu-fixture --kill-at-s 8 --timeout-s 75 -- --max-steps 150
+has fixture && step e2e_fixture 130 python3 benchmarks/e2e.py --run-dir runs/gpu-fixture --kill-at-s 8 --timeout-s 120 -- --max-steps 150
 if has qwen; then
   python3 benchmarks/random_target.py --output /tmp/qwen3-8b-random > /dev/null
-  step e2e_qwen3_8b 110 python3 benchmarks/e2e.py --run-dir runs/gpu-qwen --kill-at-s 12 --timeout-s 105 -- --target /tmp/qwen3-8b-random \
-    --random-target-weights --producers cuda:0 --consumers "$C" --max-tokens 16384 --max-batch-size 16 \
-    --num-anchors 512 --max-steps 40 --checkpoint-every 1000 --hang-timeout-s 120
+  P=$([ "$NG" -ge 3 ] && echo cuda:0,cuda:2 || echo cuda:0,cuda:0)
+  step e2e_qwen3_8b 270 python3 benchmarks/e2e.py --run-dir runs/gpu-qwen --kill-at-s 25 --timeout-s 260 -- --target /tmp/qwen3-8b-random \
+    --random-target-weights --producers "$P" --consumers "$C" --max-tokens 16384 --max-batch-size 16 \
+    --num-anchors 512 --max-steps 120 --checkpoint-every 1000 --hang-timeout-s 120
 fi
+cp runs/gpu-*.launcher.log "$OUT"/ 2>/dev/null; nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$LOG" 2>&1
 echo "done" | tee -a "$LOG"
