@@ -23,13 +23,13 @@ has() { [ -z "$STEPS" ] || [[ " $STEPS " == *" $1 "* ]]; }
 has transport && step transport 100 python3 benchmarks/transport.py --quick
 has producer && step producer 150 python3 benchmarks/producer.py --device cuda:0 --shape qwen3-8b --batches 8 --seq-len 2048 --batch-size 4 --repeats 3 --warmup 1
 has trainer && step trainer 60 python3 benchmarks/trainer.py --device cuda:0 --shape qwen3-8b --seq-len 2048 --num-anchors 512 --steps 4 --warmup 2
-has fixture && step e2e_fixture 130 python3 benchmarks/e2e.py --run-dir runs/gpu-fixture --kill-at-s 8 --timeout-s 120 -- --max-steps 150
+has fixture && step e2e_fixture 230 python3 benchmarks/e2e.py --run-dir runs/gpu-fixture --kill-at-s 25 --timeout-s 220
 if has qwen; then
   python3 benchmarks/random_target.py --output /tmp/qwen3-8b-random > /dev/null
   P=$([ "$NG" -ge 3 ] && echo cuda:0,cuda:2 || echo cuda:0,cuda:0)
-  step e2e_qwen3_8b 270 python3 benchmarks/e2e.py --run-dir runs/gpu-qwen --kill-at-s 25 --timeout-s 260 -- --target /tmp/qwen3-8b-random \
+  step e2e_qwen3_8b 340 python3 benchmarks/e2e.py --run-dir runs/gpu-qwen --kill-at-s 25 --timeout-s 330 -- --target /tmp/qwen3-8b-random \
     --random-target-weights --producers "$P" --consumers "$C" --max-tokens 16384 --max-batch-size 16 \
-    --num-anchors 512 --max-steps 120 --checkpoint-every 1000 --hang-timeout-s 120
+    --num-anchors 512 --max-steps 40 --checkpoint-every 1000 --hang-timeout-s 120
 fi
 cp runs/gpu-*.launcher.log "$OUT"/ 2>/dev/null; nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$LOG" 2>&1
 echo "done" | tee -a "$LOG"

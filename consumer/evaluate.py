@@ -41,11 +41,12 @@ import contextlib
 import inspect
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -54,6 +55,8 @@ from consumer.dflash import DFlashConfig, DFlashDrafter, DraftCache, build_draft
 from consumer.ngram import PromptLookupProposer
 
 logger = logging.getLogger(__name__)
+
+SLOW_EVAL_ENV = "SPECRING_SLOW_EVAL_S"  # tests and drills: seconds slept after each prompt of a checkpoint eval
 
 
 # ---------------------------------------------------------------------------------------------- proposers
@@ -303,7 +306,8 @@ def summarize(results: list[DecodeResult], block_size: int) -> dict[str, Any]:
 @torch.no_grad()
 def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens: int,
                  layer_ids: Sequence[int] | None, *, block_size: int | None = None,
-                 stop_token_ids: Sequence[int] = (), check_lossless: bool = False) -> dict[str, Any]:
+                 stop_token_ids: Sequence[int] = (), check_lossless: bool = False,
+                 on_prompt: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """τ of ``drafter`` on ``prompts`` against an already-loaded target (for the trainer's checkpoints).
 
     ``target_model``: HF ``AutoModelForCausalLM`` in eval mode; ``drafter``: a live ``DFlashDrafter``
@@ -311,7 +315,8 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
     ``PromptLookupProposer()``); ``layer_ids``: the target layers the drafter was trained on (must equal
     ``drafter.config.target_layer_ids``: ``ValueError`` otherwise). ``block_size`` defaults to the
     drafter's (16 for a proposer). With ``check_lossless`` also decodes greedily and adds
-    ``lossless_mismatches`` (prompts whose outputs differ; must be 0). Returns ``summarize``'s dict.
+    ``lossless_mismatches`` (prompts whose outputs differ; must be 0). ``on_prompt(done, total)`` is
+    called after each prompt (the consumer sends a heartbeat from it). Returns ``summarize``'s dict.
     """
     if isinstance(drafter, DFlashDrafter):
         if layer_ids is not None and list(layer_ids) != list(drafter.config.target_layer_ids):
@@ -326,8 +331,12 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
     if isinstance(drafter, torch.nn.Module):
         drafter.eval()
     try:
-        results = [speculative_generate(target_model, proposer, p, max_new_tokens, bsz, layer_ids,
-                                        stop_token_ids) for p in prompts]
+        results = []
+        for p in prompts:
+            results.append(speculative_generate(target_model, proposer, p, max_new_tokens, bsz, layer_ids,
+                                                stop_token_ids))
+            if on_prompt is not None:
+                on_prompt(len(results), len(prompts))
         out = summarize(results, bsz)
         if check_lossless:
             ref = [greedy_generate(target_model, p, max_new_tokens, stop_token_ids) for p in prompts]
@@ -343,11 +352,14 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
 class CheckpointEvaluator:
     """τ of the live drafter at training checkpoints (``train --eval-prompts N``), rank 0 of the consumers.
 
-    The target is loaded into the consumer process on first use (on the consumer's device, the producers'
-    dtype; ``random_weights`` honoured) and kept; prompts are the first ``prompt_len`` tokens of
+    The target is loaded into the consumer process by ``load()`` (the consumer calls it at start-up, so a
+    long load is not mistaken for a hang mid-run; ``__call__`` loads it if nobody did) on the consumer's
+    device in the producers' dtype (``random_weights`` honoured) and kept; prompts are the first ``prompt_len`` tokens of
     ``num_prompts`` held-out samples. Each evaluation appends ``{"step", "tau_mean", "tau_p50", "tau_p90",
     "forwards_per_token", "loss", "time"}`` to ``RUN_DIR/eval.jsonl`` and logs ``tau step=... tau=...``.
     Costs one extra copy of the target's weights on the consumer's device.
+
+    ``$SPECRING_SLOW_EVAL_S`` (tests and drills only) sleeps that many seconds after each prompt.
     """
 
     def __init__(self, run_cfg, device: torch.device, run_dir: str | Path, prompt_len: int = 64):
@@ -358,14 +370,31 @@ class CheckpointEvaluator:
         self.target = None
         self.prompts: list[list[int]] = []
 
-    def __call__(self, drafter: DFlashDrafter, step: int, loss: float | None) -> dict[str, Any]:
+    def load(self) -> None:
+        """Load the target and the prompts (once); raises ``ConfigError`` if the target does not load."""
         from producers.target import load_target
         tc, pc = self.cfg.trainer, self.cfg.producer
         if self.target is None:
             self.target, _ = load_target(pc.target, self.device, pc.dtype, random_weights=pc.random_weights)
             self.prompts = load_prompts(self.cfg.data.heldout, tc.eval_prompts, self.prompt_len)
+
+    def __call__(self, drafter: DFlashDrafter, step: int, loss: float | None,
+                 on_prompt: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Evaluate ``drafter`` at optimizer step ``step``; returns the record appended to ``eval.jsonl``.
+        ``on_prompt(done, total)`` is called after each prompt."""
+        tc, pc = self.cfg.trainer, self.cfg.producer
+        self.load()
+        slow_s = float(os.environ.get(SLOW_EVAL_ENV) or 0)
+
+        def after_prompt(done: int, total: int) -> None:
+            if slow_s > 0:
+                time.sleep(slow_s)
+            if on_prompt is not None:
+                on_prompt(done, total)
+
         t0 = time.perf_counter()
-        r = evaluate_tau(self.target, drafter, self.prompts, tc.eval_max_new_tokens, pc.target_layer_ids)
+        r = evaluate_tau(self.target, drafter, self.prompts, tc.eval_max_new_tokens, pc.target_layer_ids,
+                         on_prompt=after_prompt)
         rec = {"step": int(step), "tau_mean": r["tau_mean"], "tau_p50": r["tau_p50"], "tau_p90": r["tau_p90"],
                "forwards_per_token": r["forwards_per_token"], "loss": loss, "prompts": len(self.prompts),
                "eval_s": round(time.perf_counter() - t0, 2), "time": time.time()}

@@ -104,8 +104,17 @@ def body(ctx: ChildContext) -> None:
             if path is not None:
                 trainer.load_checkpoint(path)
                 log.info("resume checkpoint=%s step=%d", path, trainer.step_count)
+        evaluator = None
+        if rank == 0 and cfg.trainer.eval_prompts > 0 and cfg.data.heldout:
+            from consumer.evaluate import CheckpointEvaluator
+            evaluator = CheckpointEvaluator(cfg, device, ctx.run_dir)
+            try:  # at start-up, where a long load of the target is expected (startup_timeout_s)
+                evaluator.load()
+            except Exception as e:  # tau during training is optional: training goes on without it
+                log.error("tau_eval_disabled error=%s: %s", type(e).__name__, e)
+                evaluator = None
         ctx.ready()
-        _loop(ctx, trainer, SlotReader(rings, device), rank)
+        _loop(ctx, trainer, SlotReader(rings, device), rank, evaluator)
     finally:
         for r in rings:
             r.close()
@@ -115,24 +124,29 @@ def body(ctx: ChildContext) -> None:
                 dist.destroy_process_group()
 
 
-def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int) -> None:
+def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=None) -> None:
     cfg = ctx.config
     hb_every = cfg.monitor.heartbeat_interval_s
     next_hb = 0.0
     tokens, t0 = 0, time.monotonic()
     last_ckpt_step = trainer.step_count
 
-    evaluator = None
-    if rank == 0 and cfg.trainer.eval_prompts > 0 and cfg.data.heldout:
-        from consumer.evaluate import CheckpointEvaluator
-        evaluator = CheckpointEvaluator(cfg, reader.device, ctx.run_dir)
     last_loss: float | None = None
+
+    def heartbeat(**extra) -> None:
+        now = time.monotonic()
+        stats = {"tokens_per_s": tokens / max(1e-9, now - t0), "step": trainer.step_count, **extra}
+        if reader.device.type == "cuda":
+            stats["gpu_mem_bytes"] = torch.cuda.memory_allocated(reader.device)
+        ctx.send(m.Heartbeat(role="consumer", index=ctx.index, generation=ctx.generation, pid=os.getpid(),
+                             stats=stats))
 
     def evaluate() -> None:
         if evaluator is None:
             return
-        try:
-            evaluator(trainer.model, trainer.step_count, last_loss)
+        try:  # heartbeats after each prompt: a long evaluation is neither a hang nor a stuck shutdown
+            evaluator(trainer.model, trainer.step_count, last_loss,
+                      on_prompt=lambda done, total: heartbeat(eval_prompts_done=done))
         except Exception as e:  # an evaluation problem must not stop training
             log.error("tau_eval_failed step=%d error=%s: %s", trainer.step_count, type(e).__name__, e)
 
@@ -149,11 +163,7 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int) -> None:
         now = time.monotonic()
         if now >= next_hb:
             next_hb = now + hb_every
-            stats = {"tokens_per_s": tokens / max(1e-9, now - t0), "step": trainer.step_count}
-            if reader.device.type == "cuda":
-                stats["gpu_mem_bytes"] = torch.cuda.memory_allocated(reader.device)
-            ctx.send(m.Heartbeat(role="consumer", index=ctx.index, generation=ctx.generation, pid=os.getpid(),
-                                 stats=stats))
+            heartbeat()
         msg = channel.recv(ctx.sock, timeout_s=min(0.2, hb_every))
         if msg is None:
             continue

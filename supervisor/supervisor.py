@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 STATUS_EVERY_S = 1.0
+SHUTDOWN_CAP_FACTOR = 10  # a consumer still heartbeating after shutdown is waited for at most this many shutdown_timeout_s
 
 
 @dataclass
@@ -206,6 +207,7 @@ class Supervisor:
                 self.last_trained_at = now
                 self.progress.update(msg.step, msg.loss, co)
         elif isinstance(msg, m.Checkpointed):
+            self.monitor.on_progress(child)
             self.last_checkpoint = {"step": msg.step, "path": msg.path}
             log.info("checkpoint step=%d path=%s", msg.step, msg.path)
         else:
@@ -365,16 +367,33 @@ class Supervisor:
         return self.tokens_trained / (self.last_trained_at - self.first_trained_at)
 
     def _shutdown(self) -> None:
-        """Ask consumers to checkpoint and exit, then stop producers; bounded by shutdown_timeout_s."""
-        deadline = time.monotonic() + self.cfg.monitor.shutdown_timeout_s
+        """Ask consumers to checkpoint and exit, then stop producers.
+
+        Consumers are waited for while they show signs of life: a consumer that has sent nothing (heartbeat,
+        ``Checkpointed``, ``Trained``) for ``shutdown_timeout_s`` is left to ``_cleanup`` (SIGTERM, then
+        SIGKILL). A final checkpoint and tau evaluation that keep heartbeating may take longer, up to
+        ``SHUTDOWN_CAP_FACTOR * shutdown_timeout_s`` in all. A second signal stops waiting at once.
+        """
+        quiet_s = self.cfg.monitor.shutdown_timeout_s
+        start = time.monotonic()
         for c in self.consumers:
             if c.alive():
                 c.state = "stopping"
                 self._send("consumer", c.index, m.Shutdown(reason=self.stop_reason))
-        while any(c.alive() for c in self.consumers) and time.monotonic() < deadline and self.signals < 2:
+
+        def lively(c) -> bool:
+            last = max(c.last_heartbeat, c.last_progress, start)
+            return c.alive() and time.monotonic() - last < quiet_s
+
+        while (any(lively(c) for c in self.consumers) and self.signals < 2
+               and time.monotonic() - start < SHUTDOWN_CAP_FACTOR * quiet_s):
             got = channel.recv_from(self.router, POLL_S)
             if got is not None:
                 self._handle_safely(*got)
+        for c in self.consumers:
+            if c.alive():
+                log.warning("consumer=%d still running %.1fs after shutdown (quiet %.1fs); terminating", c.index,
+                            time.monotonic() - start, time.monotonic() - max(c.last_heartbeat, c.last_progress))
         for c in self.producers:
             if c.alive():
                 c.state = "stopping"

@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from shared import messages as m
-from tests.system.launcher_util import (REPO, TARGET, child_pid, kill_tree, make_dataset, metrics_batch_ids,
+from tests.system.launcher_util import (REPO, child_pid, kill_tree, make_dataset, metrics_batch_ids,
                                         segments_of, small_flags, start_launcher, status_rows, summary, wait_for)
 
 pytestmark = pytest.mark.timeout(300)
@@ -257,3 +257,24 @@ def test_sigint_checkpoints_cleans_up_and_resumes(dataset, tmp_path):
     proc = start_launcher(["--run-dir", str(run_dir), "--resume"], log_path=tmp_path / "second.log")
     assert _finish(proc, 240) == 0, (tmp_path / "second.log").read_text()[-3000:]
     _assert_exactly_once(run_dir, expect_planned=120)
+
+
+def test_final_tau_evaluation_longer_than_shutdown_timeout_is_waited_for(dataset, tmp_path):
+    """The final checkpoint's tau evaluation outlasts ``shutdown_timeout_s`` + the SIGTERM grace but keeps
+    heartbeating: the supervisor waits for it instead of killing the consumer, and its record is written."""
+    run_dir = tmp_path / "run"
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[monitor]\nshutdown_timeout_s = 6.0\n")
+    flags = small_flags(dataset, run_dir, 6, checkpoint_every=1000, heldout=dataset, eval_prompts=8)
+    proc = start_launcher(["--config", str(cfg), *flags], env={"SPECRING_SLOW_EVAL_S": "1.5"},
+                          log_path=tmp_path / "launcher.log")
+    t0 = time.monotonic()
+    code = _finish(proc, 240)
+    log = (tmp_path / "launcher.log").read_text()
+    assert code == 0, log[-3000:]
+    assert "terminate_timeout" not in log and "still running" not in log, log[-3000:]
+    recs = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [6], recs
+    assert recs[0]["eval_s"] >= 8 * 1.5 > 6.0 + 5.0, recs  # longer than the old fixed bound
+    assert time.monotonic() - t0 > 12
+    _assert_exactly_once(run_dir, expect_planned=6)

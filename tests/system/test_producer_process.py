@@ -26,7 +26,7 @@ import zmq
 from producers.target import load_target
 from shared import channel, layout, messages, procs, ring
 from shared.config import DEFAULT_TARGET, DataConfig, MonitorConfig, ProducerConfig, RingConfig, RunConfig
-from shared.data import TokenDataset, collate
+from shared.data import TokenDataset
 from shared.ring import EMPTY, Ring
 
 WAIT_S = 40.0        # a child's start-up imports torch and transformers and loads the target
