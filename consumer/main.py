@@ -152,6 +152,7 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
 
     def checkpoint(with_eval: bool = True) -> None:
         nonlocal last_ckpt_step
+        heartbeat()  # the write sends none: silence is measured from here
         path = trainer.save_checkpoint()
         last_ckpt_step = trainer.step_count
         if rank == 0:

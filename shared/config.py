@@ -174,7 +174,7 @@ class MonitorConfig:
     restart_window_s: float = 600.0
     backoff_base_s: float = 0.5
     backoff_max_s: float = 15.0
-    shutdown_timeout_s: float = 30.0
+    shutdown_timeout_s: float = 120.0  # a consumer silent this long after Shutdown is terminated (a checkpoint write is silent)
 
     def __post_init__(self):
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")

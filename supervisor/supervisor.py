@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 STATUS_EVERY_S = 1.0
-SHUTDOWN_CAP_FACTOR = 10  # a consumer still heartbeating after shutdown is waited for at most this many shutdown_timeout_s
+SHUTDOWN_CAP_FACTOR = 5  # a consumer still heartbeating after shutdown is waited for at most this many shutdown_timeout_s
 
 
 @dataclass
