@@ -95,7 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "models) and consumers (drafter trainers) as separate processes over shared-memory rings.")
     for flag, (_, _, typ, help_) in FLAGS.items():
         ap.add_argument("--" + flag.replace("_", "-"), dest=flag, type=typ, default=None, help=help_)
-    ap.add_argument("--run-dir", default=None, help="run directory (metrics, checkpoints, logs, socket); default runs/default")
+    ap.add_argument("--run-dir", default=None, help="run directory (metrics, checkpoints, logs, socket); default: a new "
+                    "runs/<UTC time>, linked as runs/latest (with --resume: runs/latest)")
     ap.add_argument("--resume", action="store_true", help="continue the run in --run-dir from its latest checkpoint")
     ap.add_argument("--config", default=None, help="TOML or YAML file with the sections of RunConfig")
     ap.add_argument("--plan", action="store_true", help="print the resolved topology and sizes, start nothing")
@@ -226,7 +227,10 @@ def train_main(argv: list[str]) -> int:
     line = (f"\nrun {s['exit_reason']}: {s['trained_batches']}/{s['planned_batches']} batches trained "
             f"(duplicates {s['duplicate_batches']}, lost {s['lost_batches']}, bad {s['bad_batches']}), "
             f"loss {_fmt(s['loss_first'])} -> {_fmt(s['loss_last'])}, {s['tokens_per_s']:,.0f} tokens/s, "
-            f"{s['elapsed_s']:.0f} s, restarts {restarts}\nsummary: {Path(cfg.run_dir) / 'summary.json'}")
+            f"{s['elapsed_s']:.0f} s, restarts {restarts}")
+    if s.get("tau_last"):
+        line += f"\ntau {s['tau_last']['tau_mean']:.3f} at step {s['tau_last']['step']} ({Path(cfg.run_dir) / 'eval.jsonl'})"
+    line += f"\nsummary: {Path(cfg.run_dir) / 'summary.json'}"
     if s["remaining_batches"]:
         line += (f"\n{s['remaining_batches']} batches not trained yet; continue with "
                  f"`python launch.py train --run-dir {cfg.run_dir} --resume`")
@@ -249,7 +253,7 @@ def _address(run_dir: str) -> str:
 def status_main(argv: list[str]) -> int:
     """``launch.py status --run-dir R``: one line per process from the running supervisor."""
     ap = argparse.ArgumentParser(prog="launch.py status")
-    ap.add_argument("--run-dir", default="runs/default")
+    ap.add_argument("--run-dir", default="runs/latest", help="the run to ask (default: runs/latest)")
     ap.add_argument("--json", action="store_true", help="print the raw status as JSON")
     args = ap.parse_args(argv)
     from shared import channel, messages as m
@@ -291,10 +295,12 @@ def _num(x, spec: str) -> str:
 
 def restart_main(argv: list[str]) -> int:
     """``launch.py restart producer N --run-dir R``: graceful restart of one producer."""
-    ap = argparse.ArgumentParser(prog="launch.py restart")
-    ap.add_argument("role", choices=["producer"])
-    ap.add_argument("index", type=int)
-    ap.add_argument("--run-dir", default="runs/default")
+    ap = argparse.ArgumentParser(prog="launch.py restart", description="Gracefully restart one producer while "
+                                 "training goes on: it finishes its current batch, exits, and comes back as a new "
+                                 "generation; its published slots are still consumed.")
+    ap.add_argument("role", choices=["producer"], help="only producers can be restarted")
+    ap.add_argument("index", type=int, help="producer index (the number after producer- in `launch.py status`)")
+    ap.add_argument("--run-dir", default="runs/latest", help="the run (default: runs/latest)")
     args = ap.parse_args(argv)
     from shared import channel, messages as m
     try:

@@ -1,6 +1,7 @@
 """The run directory across runs: choosing it, refusing to share it, and resuming from it.
 
 * A fresh run gets ``runs/<UTC time>`` unless ``--run-dir`` names one; ``runs/latest`` points at the newest.
+  ``--resume`` without ``--run-dir`` resumes the run ``runs/latest`` points at.
 * A run directory whose supervisor is still alive is refused (two supervisors would share a socket).
 * A fresh run into a directory that already holds checkpoints is refused (use ``--resume`` or another
   directory) so no earlier result is overwritten.
@@ -50,7 +51,10 @@ def prepare_run_dir(cfg: RunConfig, plan_only: bool = False) -> None:
     """Pick and check ``cfg.run_dir`` (see module docstring); raises ``ConfigError`` naming ``--run-dir``.
 
     With ``plan_only`` (``train --plan``) nothing on disk changes: ``runs/latest`` is not moved."""
-    if cfg.run_dir in ("", "runs/default") and not cfg.resume:
+    if cfg.run_dir in ("", "runs/default") and cfg.resume:
+        latest = REPO_ROOT / "runs" / "latest"
+        cfg.run_dir = str(latest.resolve() if latest.is_symlink() else latest)
+    elif cfg.run_dir in ("", "runs/default"):
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         cfg.run_dir = str(REPO_ROOT / "runs" / stamp)
         latest = REPO_ROOT / "runs" / "latest"

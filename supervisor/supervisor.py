@@ -427,6 +427,15 @@ class Supervisor:
         tmp.write_text(json.dumps({"pid": os.getpid(), "run_id": self.run_id, "rows": self.status_rows()}))
         os.replace(tmp, p)
 
+    def _tau_last(self) -> dict | None:
+        """``{"step", "tau_mean"}`` of the last record in ``eval.jsonl`` (None without one)."""
+        try:
+            lines = (self.run_dir / "eval.jsonl").read_text().splitlines()
+            rec = json.loads(lines[-1])
+            return {"step": int(rec["step"]), "tau_mean": float(rec["tau_mean"])}
+        except (OSError, IndexError, ValueError, KeyError, TypeError):
+            return None
+
     def _write_summary(self, outcome: Outcome) -> None:
         co = self.coordinator
         elapsed = time.monotonic() - self.started_at
@@ -450,6 +459,7 @@ class Supervisor:
             "rejected_messages": dict(co.rejected) if co else {},
             "rejected_frames": self.rejected_frames,
             "last_checkpoint": self.last_checkpoint,
+            "tau_last": self._tau_last(),
         }
         p = self.run_dir / "summary.json"
         tmp = p.with_suffix(".tmp")

@@ -276,5 +276,7 @@ def test_final_tau_evaluation_longer_than_shutdown_timeout_is_waited_for(dataset
     recs = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [6], recs
     assert recs[0]["eval_s"] >= 8 * 1.5 > 6.0 + 5.0, recs  # longer than the old fixed bound
+    assert summary(run_dir)["tau_last"] == {"step": 6, "tau_mean": recs[0]["tau_mean"]}
+    assert f"tau {recs[0]['tau_mean']:.3f} at step 6" in log
     assert time.monotonic() - t0 > 12
     _assert_exactly_once(run_dir, expect_planned=6)

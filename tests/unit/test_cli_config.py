@@ -1,5 +1,7 @@
 """launch.py train flags and --config files map onto RunConfig; errors name the flag or key."""
 
+from pathlib import Path
+
 import pytest
 
 from shared.errors import ConfigError
@@ -67,3 +69,23 @@ def test_config_values_of_the_wrong_type_or_range_name_the_field(tmp_path, text,
     f.write_text(text)
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         parse("--config", str(f))
+
+
+def test_run_dir_default_is_a_new_stamped_dir_and_resume_defaults_to_latest(tmp_path, monkeypatch):
+    """No --run-dir: a fresh run gets runs/<UTC time> and moves runs/latest to it; --resume without
+    --run-dir resumes what runs/latest points at (and says so when it holds no checkpoint)."""
+    from shared.config import RunConfig
+    from supervisor import resume
+
+    monkeypatch.setattr(resume, "REPO_ROOT", tmp_path)
+    cfg = RunConfig()
+    cfg.run_dir = "runs/default"
+    resume.prepare_run_dir(cfg)
+    stamped = Path(cfg.run_dir)
+    assert stamped.parent == tmp_path / "runs" and stamped.name != "latest"
+    assert (tmp_path / "runs" / "latest").resolve() == stamped.resolve()
+    again = RunConfig()
+    again.run_dir, again.resume = "runs/default", True
+    with pytest.raises(ConfigError, match="--resume") as e:
+        resume.prepare_run_dir(again)
+    assert again.run_dir == str(stamped.resolve()) and stamped.name in str(e.value)
