@@ -19,6 +19,9 @@ What is guaranteed:
   directory (follows ``checkpoints/latest``).
 
 Not guaranteed: concurrent writers. Only one process (rank 0) saves.
+
+``$SPECRING_SLOW_CHECKPOINT_S`` (tests and drills only) sleeps that many seconds before the rename, as a
+large drafter's write would take.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +46,7 @@ WEIGHTS_FILE = "drafter.safetensors"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "dflash_config.json"
 LATEST_FILE = "latest"
+SLOW_CHECKPOINT_ENV = "SPECRING_SLOW_CHECKPOINT_S"
 
 
 def step_dir_name(step: int) -> str:
@@ -86,6 +91,9 @@ def save_checkpoint(checkpoints_dir: str | Path, step: int, tensors: dict[str, t
     for f in (WEIGHTS_FILE, STATE_FILE, CONFIG_FILE):
         _fsync_file(tmp / f)
     _fsync_dir(tmp)
+    slow_s = float(os.environ.get(SLOW_CHECKPOINT_ENV) or 0)
+    if slow_s > 0:
+        time.sleep(slow_s)
     if final.exists():  # re-saving a step (after a resume): move the old one aside first
         old = root / f".{name}.tmp-old-{os.getpid()}"
         os.replace(final, old)

@@ -197,13 +197,14 @@ def train_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
-        run_dir = Path(cfg.run_dir)
         if cfg.resume:
+            from supervisor.resume import resume_dir
+            run_dir = Path(resume_dir(cfg.run_dir))
             saved = run_dir / "config.json"
             if not saved.is_file():
                 raise ConfigError(f"--resume: {saved} does not exist (nothing to resume in --run-dir {run_dir})")
             cfg = RunConfig.from_dict(json.loads(saved.read_text()))
-            cfg.resume = True
+            cfg.resume, cfg.run_dir = True, str(run_dir)  # the directory may have moved since
             print(f"resuming with the configuration saved in {saved} (flags other than --run-dir are ignored)",
                   file=sys.stderr)
         from supervisor.resume import prepare_run_dir
@@ -216,6 +217,13 @@ def train_main(argv: list[str]) -> int:
     if args.plan:
         print(plan.describe(cfg))
         return 0
+    if cfg.resume:
+        from supervisor.resume import read_trained_from_checkpoint
+        done = read_trained_from_checkpoint(Path(cfg.run_dir))
+        if all(b.batch_id in done for b in plan.order):
+            print(f"nothing to resume: all {len(plan.order)} planned batches of {cfg.run_dir} are in its latest "
+                  f"checkpoint (see its summary.json)", file=sys.stderr)
+            return 0
     _setup_logging(cfg.run_dir)
     from supervisor.supervisor import Supervisor
     from tqdm.contrib.logging import logging_redirect_tqdm
@@ -253,7 +261,7 @@ def _address(run_dir: str) -> str:
 def status_main(argv: list[str]) -> int:
     """``launch.py status --run-dir R``: one line per process from the running supervisor."""
     ap = argparse.ArgumentParser(prog="launch.py status")
-    ap.add_argument("--run-dir", default="runs/latest", help="the run to ask (default: runs/latest)")
+    ap.add_argument("--run-dir", default=str(REPO_ROOT / "runs" / "latest"), help="the run to ask (default: runs/latest)")
     ap.add_argument("--json", action="store_true", help="print the raw status as JSON")
     args = ap.parse_args(argv)
     from shared import channel, messages as m
@@ -300,7 +308,7 @@ def restart_main(argv: list[str]) -> int:
                                  "generation; its published slots are still consumed.")
     ap.add_argument("role", choices=["producer"], help="only producers can be restarted")
     ap.add_argument("index", type=int, help="producer index (the number after producer- in `launch.py status`)")
-    ap.add_argument("--run-dir", default="runs/latest", help="the run (default: runs/latest)")
+    ap.add_argument("--run-dir", default=str(REPO_ROOT / "runs" / "latest"), help="the run (default: runs/latest)")
     args = ap.parse_args(argv)
     from shared import channel, messages as m
     try:

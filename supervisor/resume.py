@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -51,9 +52,8 @@ def prepare_run_dir(cfg: RunConfig, plan_only: bool = False) -> None:
     """Pick and check ``cfg.run_dir`` (see module docstring); raises ``ConfigError`` naming ``--run-dir``.
 
     With ``plan_only`` (``train --plan``) nothing on disk changes: ``runs/latest`` is not moved."""
-    if cfg.run_dir in ("", "runs/default") and cfg.resume:
-        latest = REPO_ROOT / "runs" / "latest"
-        cfg.run_dir = str(latest.resolve() if latest.is_symlink() else latest)
+    if cfg.resume:
+        cfg.run_dir = resume_dir(cfg.run_dir)
     elif cfg.run_dir in ("", "runs/default"):
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         cfg.run_dir = str(REPO_ROOT / "runs" / stamp)
@@ -71,12 +71,26 @@ def prepare_run_dir(cfg: RunConfig, plan_only: bool = False) -> None:
     if pid is not None:
         raise ConfigError(f"--run-dir: a run is already going in {run_dir} (supervisor pid {pid}); "
                           f"watch it with `launch.py status --run-dir {run_dir}`")
-    if not cfg.resume and (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir()):
+    ckpts = run_dir / "checkpoints"
+    if not plan_only:
+        for tmp in (ckpts.glob(".step-*.tmp-*") if ckpts.is_dir() else ()):
+            shutil.rmtree(tmp, ignore_errors=True)  # a write cut short by a dead consumer: never a checkpoint
+    if not cfg.resume and ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
         raise ConfigError(f"--run-dir: {run_dir} already holds checkpoints of an earlier run; "
                           f"continue it with --resume or choose another --run-dir")
     if cfg.resume:
         if latest_checkpoint_step(run_dir) is None:
-            raise ConfigError(f"--resume: {run_dir} has no checkpoint to resume from")
+            raise ConfigError(f"--resume: {run_dir} has no checkpoint to resume from (no step was saved); "
+                              f"start it again without --resume")
+
+
+def resume_dir(run_dir: str) -> str:
+    """The directory ``--resume`` continues: ``run_dir``, or without ``--run-dir`` the run that
+    ``runs/latest`` points at."""
+    if run_dir not in ("", "runs/default"):
+        return run_dir
+    latest = REPO_ROOT / "runs" / "latest"
+    return str(latest.resolve() if latest.is_symlink() else latest)
 
 
 def latest_checkpoint_step(run_dir: Path) -> int | None:

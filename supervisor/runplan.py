@@ -102,8 +102,9 @@ def slot_bytes_for(max_real_tokens: int, max_batch_size: int, num_layers: int, h
     return (need + PAGE - 1) // PAGE * PAGE
 
 
-def check_token_ids(path: str, vocab_size: int | None) -> None:
-    """Raise ``ConfigError`` naming the first sample (row) whose token ids fall outside ``[0, vocab_size)``.
+def check_token_ids(path: str, vocab_size: int | None, flag: str = "--data") -> None:
+    """Raise ``ConfigError`` naming ``flag`` and the first sample (row) whose token ids fall outside
+    ``[0, vocab_size)``.
 
     One vectorised pass over the memory-mapped ``input_ids`` values (no Python objects per token).
     """
@@ -123,10 +124,32 @@ def check_token_ids(path: str, vocab_size: int | None) -> None:
             if bad.size:
                 offsets = col.offsets.to_numpy(zero_copy_only=False) - col.offsets[0].as_py()
                 row = int(np.searchsorted(offsets, bad[0], side="right")) - 1
-                raise ConfigError(f"--data: sample {row0 + row} of {path} has token id {int(values[bad[0]])}, "
+                raise ConfigError(f"{flag}: sample {row0 + row} of {path} has token id {int(values[bad[0]])}, "
                                   f"outside the target's vocabulary of {vocab_size} ({bad.size} such tokens in "
                                   f"record batch {i}); was it prepared with another tokenizer?")
             row0 += len(col)
+
+
+def open_dataset(path: str, flag: str, shape: dict):
+    """The ``TokenDataset`` at ``path``, checked against the target ``shape`` (its ``config.json``): it
+    exists, is an Arrow file from ``launch.py prepare``, has samples, and its token ids fit the vocabulary.
+    Raises ``ConfigError`` naming ``flag``."""
+    from shared.data import TokenDataset
+
+    if not Path(path).is_file():
+        raise ConfigError(f"{flag}: {path} does not exist (build one with `launch.py prepare`)")
+    try:
+        ds = TokenDataset(path)
+    except (OSError, ValueError, KeyError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise ConfigError(f"{flag}: {path} is not a dataset written by `launch.py prepare`: "
+                          f"{type(e).__name__}: {e}") from None
+    if len(ds) == 0:
+        raise ConfigError(f"{flag}: {path} has no samples")
+    check_token_ids(path, int(shape.get("vocab_size", 0)) or None, flag)
+    if ds.vocab_size is not None and ds.vocab_size > int(shape.get("vocab_size", ds.vocab_size)):
+        raise ConfigError(f"{flag}: tokenized with a vocabulary of {ds.vocab_size}, larger than the target's "
+                          f"{shape.get('vocab_size')}")
+    return ds
 
 
 def resolve_run(cfg: RunConfig) -> RunPlan:
@@ -137,7 +160,7 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     ``--epochs`` is given, so that children read fully resolved values.
     """
     from producers.target import resolve_layer_ids
-    from shared.data import BatchPlan, TokenDataset
+    from shared.data import BatchPlan
 
     for i, d in enumerate(cfg.producer.devices):
         check_device(d, "--producers")
@@ -154,19 +177,9 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         from shared.prepare import ensure_demo
         train, heldout = ensure_demo(REPO_ROOT)
         cfg.data.data, cfg.data.heldout = str(train), cfg.data.heldout or str(heldout)
-    if not Path(cfg.data.data).is_file():
-        raise ConfigError(f"--data: {cfg.data.data} does not exist (build one with `launch.py prepare`)")
-    try:
-        ds = TokenDataset(cfg.data.data)
-    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
-        raise ConfigError(f"--data: {cfg.data.data} is not a dataset written by `launch.py prepare`: "
-                          f"{type(e).__name__}: {e}") from None
-    if len(ds) == 0:
-        raise ConfigError(f"--data: {cfg.data.data} has no samples")
-    check_token_ids(cfg.data.data, int(shape.get("vocab_size", 0)) or None)
-    if ds.vocab_size is not None and ds.vocab_size > int(shape.get("vocab_size", ds.vocab_size)):
-        raise ConfigError(f"--data: tokenized with a vocabulary of {ds.vocab_size}, larger than the target's "
-                          f"{shape.get('vocab_size')}")
+    ds = open_dataset(cfg.data.data, "--data", shape)
+    if cfg.data.heldout and cfg.trainer.eval_prompts > 0:  # tau during training reads it in the consumer
+        open_dataset(cfg.data.heldout, "--heldout", shape)
     dc = cfg.data
     plan = BatchPlan(ds.lengths, max_tokens=dc.max_tokens, max_batch_size=dc.max_batch_size,
                      bucket_edges=dc.bucket_edges, num_buckets=dc.num_buckets, seed=dc.seed,

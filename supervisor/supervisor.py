@@ -9,7 +9,8 @@ stop (they write a checkpoint), producers are stopped, and everything the run cr
 the socket file are removed; ``summary.json`` records the outcome.
 
 Guarantees: a producer's unpublished slots are reclaimed only after its process has been reaped; a
-consumer's death ends the run with its last checkpoint kept (``--resume`` continues); rings and the socket
+consumer's death ends the run with its last checkpoint kept (``--resume`` continues), and a run whose
+final checkpoint was not written is never reported ``done``; rings and the socket
 are removed in ``finally`` whatever happens, and a SIGKILL of the supervisor itself leaves children that
 die within a second or two (parent-death signal) and segments that the next start sweeps.
 """
@@ -70,6 +71,8 @@ class Supervisor:
         self.first_trained_at: float | None = None
         self.last_trained_at: float | None = None
         self.last_checkpoint: dict = {}
+        self.trained_at_start: set[int] = set()  # batch ids of the checkpoint a resumed run started from
+        self.trained_steps: list[tuple[int, list[int]]] = []  # (optimizer step, batch ids) of each Trained
         self.consumer_error = ""
         self.rejected_frames = 0
         self.coordinator: Coordinator | None = None
@@ -89,6 +92,7 @@ class Supervisor:
         trained: set[int] = set()
         if cfg.resume:
             trained = read_trained_from_checkpoint(self.run_dir)
+            self.trained_at_start = set(trained)
             log.info("resume trained_batches=%d", len(trained))
         self.coordinator = Coordinator(self.plan.order, len(self.producers), cfg.ring.num_slots,
                                        len(self.consumers), trained=trained)
@@ -198,6 +202,7 @@ class Supervisor:
         elif isinstance(msg, m.Trained) and role == "consumer":
             co.on_trained(msg)
             self.monitor.on_progress(child)
+            self.trained_steps.append((int(msg.step), [int(b) for b in msg.batch_ids]))
             if msg.consumer == 0:
                 now = time.monotonic()
                 if self.first_trained_at is None:
@@ -329,6 +334,12 @@ class Supervisor:
             if (self.stop_reason or "done") == "done" and co is not None and co.bad and not co.trained:
                 self.stop_reason = "all_batches_bad"  # nothing trainable: not a success
             reason = self.stop_reason or "done"
+            if reason == "done" and self.trained_steps and \
+                    self.last_checkpoint.get("step") != max(st for st, _ in self.trained_steps):
+                reason = "final_checkpoint_missing"
+                log.error("final_checkpoint_missing last_step=%d last_checkpoint=%s: the consumer stopped before "
+                          "saving the last steps; --resume retrains them", max(st for st, _ in self.trained_steps),
+                          self.last_checkpoint.get("step", "-"))
             outcome = Outcome(reason, 0 if reason == "done" else 130 if reason == "interrupted" else 1)
             self._write_summary(outcome)
         return outcome
@@ -376,17 +387,21 @@ class Supervisor:
         """
         quiet_s = self.cfg.monitor.shutdown_timeout_s
         start = time.monotonic()
+        told: dict[int, bool] = {}
         for c in self.consumers:
             if c.alive():
                 c.state = "stopping"
-                self._send("consumer", c.index, m.Shutdown(reason=self.stop_reason))
+                told[c.index] = self._send("consumer", c.index, m.Shutdown(reason=self.stop_reason))
 
-        def lively(c) -> bool:
+        def lively(c) -> bool:  # one that never said Hello has trained nothing: _cleanup terminates it
             last = max(c.last_heartbeat, c.last_progress, start)
-            return c.alive() and time.monotonic() - last < quiet_s
+            return c.alive() and c.hello and time.monotonic() - last < quiet_s
 
         while (any(lively(c) for c in self.consumers) and self.signals < 2
                and time.monotonic() - start < SHUTDOWN_CAP_FACTOR * quiet_s):
+            for c in self.consumers:  # not connected at the first try (still starting): told once it is
+                if c.alive() and c.hello and not told.get(c.index, True):
+                    told[c.index] = self._send("consumer", c.index, m.Shutdown(reason=self.stop_reason))
             got = channel.recv_from(self.router, POLL_S)
             if got is not None:
                 self._handle_safely(*got)
@@ -394,6 +409,11 @@ class Supervisor:
             if c.alive():
                 log.warning("consumer=%d still running %.1fs after shutdown (quiet %.1fs); terminating", c.index,
                             time.monotonic() - start, time.monotonic() - max(c.last_heartbeat, c.last_progress))
+            elif c.proc is not None and c.state == "stopping":
+                c.last_exitcode = c.proc.returncode
+                if c.proc.returncode != 0:
+                    log.error("consumer_died_at_shutdown consumer=%d exitcode=%s error=%s", c.index,
+                              c.proc.returncode, self.consumer_error or "-")
         for c in self.producers:
             if c.alive():
                 c.state = "stopping"
@@ -427,6 +447,16 @@ class Supervisor:
         tmp.write_text(json.dumps({"pid": os.getpid(), "run_id": self.run_id, "rows": self.status_rows()}))
         os.replace(tmp, p)
 
+    def _remaining(self, co: Coordinator) -> int:
+        """Planned batches that ``--resume`` will train: neither bad nor in the last checkpoint (batches
+        trained after it count: their weights were not saved)."""
+        step = self.last_checkpoint.get("step")
+        saved = set(self.trained_at_start)
+        for st, ids in self.trained_steps:
+            if step is not None and st <= step:
+                saved.update(ids)
+        return sum(1 for b in co.order if b not in saved and b not in co.bad)
+
     def _tau_last(self) -> dict | None:
         """``{"step", "tau_mean"}`` of the last record in ``eval.jsonl`` (None without one)."""
         try:
@@ -449,7 +479,7 @@ class Supervisor:
             # lost: a finished run that did not train a batch it planned (must be 0); remaining: batches a
             # stopped run has not reached yet (--resume trains them)
             "lost_batches": len(co.lost()) if co and outcome.exit_reason == "done" else 0,
-            "remaining_batches": len(co.lost()) if co and outcome.exit_reason != "done" else 0,
+            "remaining_batches": self._remaining(co) if co and outcome.exit_reason != "done" else 0,
             "bad_batches": len(co.bad) if co else 0,
             "restarts": {str(c.index): c.restarts for c in self.producers},
             "loss_first": co.loss_first if co else None,

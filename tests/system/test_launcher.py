@@ -66,7 +66,9 @@ def test_plan_starts_nothing_and_bad_flags_name_the_flag(dataset, tmp_path):
     for flag, value, needle in (("--producers", "cpu,cuda:7", "--producers"),
                                 ("--target-layers", "1,99", "--target-layers"),
                                 ("--block-size", "1", "block_size"),
-                                ("--slot-mb", "0.01", "--slot-mb")):
+                                ("--slot-mb", "0.01", "--slot-mb"),
+                                ("--heldout", str(tmp_path / "missing.arrow"), "--heldout"),
+                                ("--heldout", str(REPO / "README.md"), "--heldout")):
         args = small_flags(dataset, tmp_path / f"bad{flag}", 10, **{flag: value})
         out = subprocess.run([sys.executable, "launch.py", "train", *args], cwd=REPO, capture_output=True,
                              text=True, timeout=120)
@@ -280,3 +282,61 @@ def test_final_tau_evaluation_longer_than_shutdown_timeout_is_waited_for(dataset
     assert f"tau {recs[0]['tau_mean']:.3f} at step 6" in log
     assert time.monotonic() - t0 > 12
     _assert_exactly_once(run_dir, expect_planned=6)
+
+
+def test_consumer_killed_during_final_checkpoint_is_not_a_success_and_resume_completes(dataset, tmp_path):
+    """SIGKILL of the consumer while it writes the final checkpoint: the run is not reported as done, the
+    unsaved batches are counted as remaining, and --resume (into the directory with the half-written
+    checkpoint) trains them, every batch exactly once overall."""
+    run_dir = tmp_path / "run"
+    proc = start_launcher(small_flags(dataset, run_dir, 10, checkpoint_every=4),
+                          env={"SPECRING_SLOW_CHECKPOINT_S": "3"}, log_path=tmp_path / "first.log")
+    consumer_log = run_dir / "logs" / "consumer-0.log"
+    try:
+        wait_for(lambda: consumer_log.is_file() and "shutdown reason=done" in consumer_log.read_text(), 180,
+                 "the final checkpoint to start")
+        time.sleep(0.5)
+        os.kill(child_pid(run_dir, "consumer", 0), signal.SIGKILL)
+        code = _finish(proc, 90)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    log = (tmp_path / "first.log").read_text()
+    assert code == 1, log[-3000:]
+    s1 = summary(run_dir)
+    assert s1["exit_reason"] == "final_checkpoint_missing", s1
+    assert s1["last_checkpoint"]["step"] == 8 and s1["remaining_batches"] == 2, s1
+    assert "consumer_died_at_shutdown" in log and "final_checkpoint_missing" in log
+    assert segments_of(s1["run_id"]) == [] and not (run_dir / "coord.sock").exists()
+    assert list((run_dir / "checkpoints").glob(".step-000010.tmp-*")), "expected the half-written checkpoint"
+    proc = start_launcher(["--run-dir", str(run_dir), "--resume"], log_path=tmp_path / "second.log")
+    assert _finish(proc, 240) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    _assert_exactly_once(run_dir, expect_planned=10)
+    assert not list((run_dir / "checkpoints").glob(".step-*.tmp-*"))
+    again = subprocess.run([sys.executable, "launch.py", "train", "--run-dir", str(run_dir), "--resume"],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and "nothing to resume" in again.stderr, again.stderr
+    assert summary(run_dir)["exit_reason"] == "done"  # the finished run's summary is left as it was
+
+
+def test_sigint_before_the_consumer_connects_stops_promptly(dataset, tmp_path):
+    """SIGINT while the children are still starting (the Shutdown to the consumer cannot be delivered): the
+    launcher does not wait for a consumer that never connected, let alone the shutdown cap."""
+    run_dir = tmp_path / "run"
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[monitor]\nshutdown_timeout_s = 60.0\n")
+    proc = start_launcher(["--config", str(cfg), *small_flags(dataset, run_dir, 50)], log_path=tmp_path / "l.log")
+    try:
+        wait_for(lambda: (run_dir / "topology.json").is_file(), 60, "the supervisor to set up")
+        t0 = time.monotonic()
+        os.kill(proc.pid, signal.SIGINT)
+        code = _finish(proc, 400)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    elapsed = time.monotonic() - t0
+    log = (tmp_path / "l.log").read_text()
+    assert code == 130, log[-3000:]
+    assert elapsed < 45.0, f"took {elapsed:.1f}s (shutdown_timeout_s is 60)\n{log[-3000:]}"
+    s = summary(run_dir)
+    assert s["exit_reason"] == "interrupted" and segments_of(s["run_id"]) == []

@@ -89,3 +89,15 @@ def test_run_dir_default_is_a_new_stamped_dir_and_resume_defaults_to_latest(tmp_
     with pytest.raises(ConfigError, match="--resume") as e:
         resume.prepare_run_dir(again)
     assert again.run_dir == str(stamped.resolve()) and stamped.name in str(e.value)
+
+
+def test_train_resume_without_run_dir_reads_the_run_latest_points_at(tmp_path, monkeypatch, capsys):
+    from supervisor import resume
+    from supervisor.cli import train_main
+
+    monkeypatch.setattr(resume, "REPO_ROOT", tmp_path)
+    (tmp_path / "runs" / "20260101-000000").mkdir(parents=True)
+    (tmp_path / "runs" / "latest").symlink_to("20260101-000000")
+    assert train_main(["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "20260101-000000/config.json does not exist" in err and "runs/default" not in err
