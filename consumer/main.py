@@ -107,7 +107,7 @@ def body(ctx: ChildContext) -> None:
         evaluator = None
         if rank == 0 and cfg.trainer.eval_prompts > 0 and cfg.data.heldout:
             from consumer.evaluate import CheckpointEvaluator
-            evaluator = CheckpointEvaluator(cfg, device, ctx.run_dir)
+            evaluator = CheckpointEvaluator(cfg, device, ctx.run_dir, prompt_len=cfg.trainer.eval_prompt_len)
             try:  # at start-up, where a long load of the target is expected (startup_timeout_s)
                 evaluator.load()
             except Exception as e:  # tau during training is optional: training goes on without it

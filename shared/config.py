@@ -139,6 +139,7 @@ class TrainerConfig:
     eval_every: int = 0                # optimizer steps between tau evaluations; 0 = at every checkpoint
     eval_prompts: int = 8              # held-out prompts per tau evaluation; 0 = no tau during training
     eval_max_new_tokens: int = 32
+    eval_prompt_len: int = 64          # tokens of each held-out prompt (samples must be longer)
     max_nonfinite_in_row: int = 5
     seed: int = 0
 
@@ -156,6 +157,7 @@ class TrainerConfig:
         _require(self.max_nonfinite_in_row >= 1, "max_nonfinite_in_row", "must be >= 1")
         _require(self.eval_every >= 0, "eval_every", f"must be >= 0, got {self.eval_every}")
         _require(self.eval_prompts >= 0, "eval_prompts", f"must be >= 0, got {self.eval_prompts}")
+        _require(self.eval_prompt_len >= 1, "eval_prompt_len", f"must be >= 1, got {self.eval_prompt_len}")
 
     def resolved_gamma(self) -> float:
         """The loss-decay γ for this block size (DFlash paper defaults: 7 / 5 / 4 for B = 16 / 10 / 8)."""

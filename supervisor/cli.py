@@ -207,10 +207,12 @@ def train_main(argv: list[str]) -> int:
             cfg.resume, cfg.run_dir = True, str(run_dir)  # the directory may have moved since
             print(f"resuming with the configuration saved in {saved} (flags other than --run-dir are ignored)",
                   file=sys.stderr)
-        from supervisor.resume import prepare_run_dir
-        prepare_run_dir(cfg, plan_only=args.plan)
+        from supervisor.resume import point_latest, prepare_run_dir
+        new_default = prepare_run_dir(cfg, plan_only=args.plan)
         from supervisor.runplan import resolve_run
         plan = resolve_run(cfg)
+        if new_default and not args.plan:
+            point_latest(cfg.run_dir)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -240,7 +242,8 @@ def train_main(argv: list[str]) -> int:
         line += f"\ntau {s['tau_last']['tau_mean']:.3f} at step {s['tau_last']['step']} ({Path(cfg.run_dir) / 'eval.jsonl'})"
     line += f"\nsummary: {Path(cfg.run_dir) / 'summary.json'}"
     if s["remaining_batches"]:
-        line += (f"\n{s['remaining_batches']} batches not trained yet; continue with "
+        line += (f"\n{s['remaining_batches']} batches still to train (not reached, or trained after the last "
+                 f"checkpoint); continue with "
                  f"`python launch.py train --run-dir {cfg.run_dir} --resume`")
     print(line, file=sys.stderr)
     return outcome.exit_code

@@ -1,7 +1,8 @@
 """The run directory across runs: choosing it, refusing to share it, and resuming from it.
 
-* A fresh run gets ``runs/<UTC time>`` unless ``--run-dir`` names one; ``runs/latest`` points at the newest.
-  ``--resume`` without ``--run-dir`` resumes the run ``runs/latest`` points at.
+* A fresh run gets ``runs/<UTC time>`` unless ``--run-dir`` names one; ``runs/latest`` points at the newest
+  run that passed its start-up checks. ``--resume`` without ``--run-dir`` resumes the run it points at; a
+  ``--resume`` of a run that saved no checkpoint trains it from the beginning.
 * A run directory whose supervisor is still alive is refused (two supervisors would share a socket).
 * A fresh run into a directory that already holds checkpoints is refused (use ``--resume`` or another
   directory) so no earlier result is overwritten.
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -22,6 +24,8 @@ import psutil
 
 from shared.config import REPO_ROOT, RunConfig
 from shared.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def supervisor_alive(run_dir: Path) -> int | None:
@@ -48,40 +52,51 @@ def stale_sockets(run_dir: Path) -> list[Path]:
     return []
 
 
-def prepare_run_dir(cfg: RunConfig, plan_only: bool = False) -> None:
+def prepare_run_dir(cfg: RunConfig, plan_only: bool = False) -> bool:
     """Pick and check ``cfg.run_dir`` (see module docstring); raises ``ConfigError`` naming ``--run-dir``.
 
-    With ``plan_only`` (``train --plan``) nothing on disk changes: ``runs/latest`` is not moved."""
+    Returns True when a new ``runs/<UTC time>`` was chosen: the caller then calls ``point_latest`` once the
+    run has passed its checks, so a refused start never moves ``runs/latest``. A fresh run into a
+    directory without checkpoints, and a ``--resume`` of a run that saved none (it starts again from its
+    beginning), clear that directory's earlier ``metrics.jsonl``, ``eval.jsonl``, ``summary.json`` and
+    ``tensorboard/``. With ``plan_only`` (``train --plan``) nothing on disk changes."""
+    new_default = False
     if cfg.resume:
         cfg.run_dir = resume_dir(cfg.run_dir)
     elif cfg.run_dir in ("", "runs/default"):
-        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-        cfg.run_dir = str(REPO_ROOT / "runs" / stamp)
-        latest = REPO_ROOT / "runs" / "latest"
-        if plan_only:
-            return
-        latest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = latest.with_name(f".latest-{os.getpid()}")
-        if tmp.is_symlink():
-            tmp.unlink()
-        tmp.symlink_to(stamp)
-        os.replace(tmp, latest)
+        cfg.run_dir = str(REPO_ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+        new_default = True
     run_dir = Path(cfg.run_dir)
     pid = supervisor_alive(run_dir)
     if pid is not None:
         raise ConfigError(f"--run-dir: a run is already going in {run_dir} (supervisor pid {pid}); "
                           f"watch it with `launch.py status --run-dir {run_dir}`")
     ckpts = run_dir / "checkpoints"
-    if not plan_only:
-        for tmp in (ckpts.glob(".step-*.tmp-*") if ckpts.is_dir() else ()):
-            shutil.rmtree(tmp, ignore_errors=True)  # a write cut short by a dead consumer: never a checkpoint
     if not cfg.resume and ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
         raise ConfigError(f"--run-dir: {run_dir} already holds checkpoints of an earlier run; "
                           f"continue it with --resume or choose another --run-dir")
-    if cfg.resume:
-        if latest_checkpoint_step(run_dir) is None:
-            raise ConfigError(f"--resume: {run_dir} has no checkpoint to resume from (no step was saved); "
-                              f"start it again without --resume")
+    if plan_only:
+        return new_default
+    for tmp in (ckpts.glob(".step-*.tmp-*") if ckpts.is_dir() else ()):
+        shutil.rmtree(tmp, ignore_errors=True)  # a write cut short by a dead consumer: never a checkpoint
+    if checkpoint_step_on_disk(run_dir) is None:  # nothing saved: whatever an earlier start logged is void
+        if cfg.resume:
+            log.warning("resume run_dir=%s has no checkpoint: its batches are trained from the beginning", run_dir)
+        for name in ("metrics.jsonl", "eval.jsonl", "summary.json"):
+            (run_dir / name).unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+    return new_default
+
+
+def point_latest(run_dir: str) -> None:
+    """Point ``runs/latest`` at ``run_dir`` (a directory under ``runs/``), atomically."""
+    latest = REPO_ROOT / "runs" / "latest"
+    latest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = latest.with_name(f".latest-{os.getpid()}")
+    if tmp.is_symlink():
+        tmp.unlink()
+    tmp.symlink_to(Path(run_dir).name)
+    os.replace(tmp, latest)
 
 
 def resume_dir(run_dir: str) -> str:
@@ -93,11 +108,18 @@ def resume_dir(run_dir: str) -> str:
     return str(latest.resolve() if latest.is_symlink() else latest)
 
 
-def latest_checkpoint_step(run_dir: Path) -> int | None:
-    """Optimizer step of the checkpoint that ``checkpoints/latest`` names, or None."""
-    from consumer.checkpoint import load_checkpoint, latest_checkpoint
-    path = latest_checkpoint(Path(run_dir) / "checkpoints")
-    return None if path is None else int(load_checkpoint(path)[1]["step"])
+def checkpoint_step_on_disk(run_dir: Path) -> int | None:
+    """Optimizer step of the checkpoint that ``checkpoints/latest`` names (read from its name, nothing is
+    loaded), or None when there is no complete one."""
+    from consumer.checkpoint import WEIGHTS_FILE
+    ckpts = Path(run_dir) / "checkpoints"
+    try:
+        name = (ckpts / "latest").read_text().strip()
+    except OSError:
+        return None
+    if not name.startswith("step-") or not name[5:].isdigit() or not (ckpts / name / WEIGHTS_FILE).is_file():
+        return None
+    return int(name[5:])
 
 
 def read_trained_from_checkpoint(run_dir: Path) -> set[int]:

@@ -137,7 +137,8 @@ def open_dataset(path: str, flag: str, shape: dict):
     from shared.data import TokenDataset
 
     if not Path(path).is_file():
-        raise ConfigError(f"{flag}: {path} does not exist (build one with `launch.py prepare`)")
+        what = "is a directory, not a dataset file" if Path(path).is_dir() else "does not exist"
+        raise ConfigError(f"{flag}: {path} {what} (build one with `launch.py prepare`)")
     try:
         ds = TokenDataset(path)
     except (OSError, ValueError, KeyError) as e:  # pyarrow's ArrowInvalid is a ValueError
@@ -179,7 +180,11 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         cfg.data.data, cfg.data.heldout = str(train), cfg.data.heldout or str(heldout)
     ds = open_dataset(cfg.data.data, "--data", shape)
     if cfg.data.heldout and cfg.trainer.eval_prompts > 0:  # tau during training reads it in the consumer
-        open_dataset(cfg.data.heldout, "--heldout", shape)
+        held = open_dataset(cfg.data.heldout, "--heldout", shape)
+        if not (held.lengths > cfg.trainer.eval_prompt_len).any():
+            raise ConfigError(f"--heldout: no sample of {cfg.data.heldout} is longer than the {cfg.trainer.eval_prompt_len}-"
+                              f"token prompts of tau during training (eval_prompt_len); use longer samples or "
+                              f"--eval-prompts 0")
     dc = cfg.data
     plan = BatchPlan(ds.lengths, max_tokens=dc.max_tokens, max_batch_size=dc.max_batch_size,
                      bucket_edges=dc.bucket_edges, num_buckets=dc.num_buckets, seed=dc.seed,

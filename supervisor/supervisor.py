@@ -36,7 +36,7 @@ from shared.ring import Ring, check_shm_space, new_run_id, segment_bytes, segmen
 from supervisor.coordinator import Coordinator
 from supervisor.monitor import Child, HealthMonitor
 from supervisor.progress import Progress
-from supervisor.resume import read_trained_from_checkpoint
+from supervisor.resume import checkpoint_step_on_disk, read_trained_from_checkpoint
 from supervisor.runplan import RunPlan
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,7 @@ class Supervisor:
         if cfg.resume:
             trained = read_trained_from_checkpoint(self.run_dir)
             self.trained_at_start = set(trained)
+            self._checkpoint_from_disk()
             log.info("resume trained_batches=%d", len(trained))
         self.coordinator = Coordinator(self.plan.order, len(self.producers), cfg.ring.num_slots,
                                        len(self.consumers), trained=trained)
@@ -334,6 +335,8 @@ class Supervisor:
             if (self.stop_reason or "done") == "done" and co is not None and co.bad and not co.trained:
                 self.stop_reason = "all_batches_bad"  # nothing trainable: not a success
             reason = self.stop_reason or "done"
+            if self.trained_steps:
+                self._checkpoint_from_disk()  # saved but its Checkpointed message was lost with the consumer
             if reason == "done" and self.trained_steps and \
                     self.last_checkpoint.get("step") != max(st for st, _ in self.trained_steps):
                 reason = "final_checkpoint_missing"
@@ -446,6 +449,12 @@ class Supervisor:
         tmp = p.with_suffix(".tmp")
         tmp.write_text(json.dumps({"pid": os.getpid(), "run_id": self.run_id, "rows": self.status_rows()}))
         os.replace(tmp, p)
+
+    def _checkpoint_from_disk(self) -> None:
+        """Take ``checkpoints/latest`` as the last checkpoint when it is newer than the last one reported."""
+        step = checkpoint_step_on_disk(self.run_dir)
+        if step is not None and step > self.last_checkpoint.get("step", -1):
+            self.last_checkpoint = {"step": step, "path": str(self.run_dir / "checkpoints" / f"step-{step:06d}")}
 
     def _remaining(self, co: Coordinator) -> int:
         """Planned batches that ``--resume`` will train: neither bad nor in the last checkpoint (batches

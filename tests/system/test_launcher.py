@@ -74,6 +74,12 @@ def test_plan_starts_nothing_and_bad_flags_name_the_flag(dataset, tmp_path):
                              text=True, timeout=120)
         assert out.returncode == 2, (flag, out.stdout, out.stderr)
         assert needle in out.stderr, (flag, out.stderr)
+    toml = tmp_path / "long_prompts.toml"
+    toml.write_text("[trainer]\neval_prompt_len = 500\n")  # every sample of the dataset is shorter
+    out = subprocess.run([sys.executable, "launch.py", "train", "--plan", "--config", str(toml),
+                          *small_flags(dataset, run_dir, 10, heldout=dataset)], cwd=REPO, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "--heldout" in out.stderr and "longer than the 500" in out.stderr, out.stderr
 
 
 def test_full_run_trains_every_batch_once_and_cleans_up(dataset, tmp_path):
@@ -321,11 +327,12 @@ def test_consumer_killed_during_final_checkpoint_is_not_a_success_and_resume_com
 
 def test_sigint_before_the_consumer_connects_stops_promptly(dataset, tmp_path):
     """SIGINT while the children are still starting (the Shutdown to the consumer cannot be delivered): the
-    launcher does not wait for a consumer that never connected, let alone the shutdown cap."""
+    launcher does not wait for a consumer that never connected, let alone the shutdown cap. Nothing was
+    saved, and --resume then trains the run from its beginning."""
     run_dir = tmp_path / "run"
     cfg = tmp_path / "run.toml"
     cfg.write_text("[monitor]\nshutdown_timeout_s = 60.0\n")
-    proc = start_launcher(["--config", str(cfg), *small_flags(dataset, run_dir, 50)], log_path=tmp_path / "l.log")
+    proc = start_launcher(["--config", str(cfg), *small_flags(dataset, run_dir, 8)], log_path=tmp_path / "l.log")
     try:
         wait_for(lambda: (run_dir / "topology.json").is_file(), 60, "the supervisor to set up")
         t0 = time.monotonic()
@@ -340,3 +347,7 @@ def test_sigint_before_the_consumer_connects_stops_promptly(dataset, tmp_path):
     assert elapsed < 45.0, f"took {elapsed:.1f}s (shutdown_timeout_s is 60)\n{log[-3000:]}"
     s = summary(run_dir)
     assert s["exit_reason"] == "interrupted" and segments_of(s["run_id"]) == []
+    if s["remaining_batches"] == 8:  # nothing trained and saved before the signal (the usual case)
+        proc = start_launcher(["--run-dir", str(run_dir), "--resume"], log_path=tmp_path / "second.log")
+        assert _finish(proc, 240) == 0, (tmp_path / "second.log").read_text()[-3000:]
+        _assert_exactly_once(run_dir, expect_planned=8)

@@ -72,23 +72,42 @@ def test_config_values_of_the_wrong_type_or_range_name_the_field(tmp_path, text,
 
 
 def test_run_dir_default_is_a_new_stamped_dir_and_resume_defaults_to_latest(tmp_path, monkeypatch):
-    """No --run-dir: a fresh run gets runs/<UTC time> and moves runs/latest to it; --resume without
-    --run-dir resumes what runs/latest points at (and says so when it holds no checkpoint)."""
+    """No --run-dir: a fresh run gets runs/<UTC time>; runs/latest moves only when point_latest is called
+    (after the start-up checks); --resume without --run-dir resolves to what runs/latest points at."""
     from shared.config import RunConfig
     from supervisor import resume
 
     monkeypatch.setattr(resume, "REPO_ROOT", tmp_path)
     cfg = RunConfig()
     cfg.run_dir = "runs/default"
-    resume.prepare_run_dir(cfg)
+    assert resume.prepare_run_dir(cfg) is True
     stamped = Path(cfg.run_dir)
     assert stamped.parent == tmp_path / "runs" and stamped.name != "latest"
+    assert not (tmp_path / "runs" / "latest").is_symlink()  # not before the run passed its checks
+    resume.point_latest(cfg.run_dir)
     assert (tmp_path / "runs" / "latest").resolve() == stamped.resolve()
     again = RunConfig()
     again.run_dir, again.resume = "runs/default", True
-    with pytest.raises(ConfigError, match="--resume") as e:
-        resume.prepare_run_dir(again)
-    assert again.run_dir == str(stamped.resolve()) and stamped.name in str(e.value)
+    assert resume.prepare_run_dir(again) is False
+    assert again.run_dir == str(stamped.resolve())
+
+
+def test_fresh_start_or_resume_without_checkpoint_clears_the_earlier_records(tmp_path):
+    """A run directory whose earlier start saved no checkpoint (only a half-written one): its metrics,
+    eval records and summary are void and removed, and so is the half-written checkpoint."""
+    from shared.config import RunConfig
+    from supervisor import resume
+
+    run_dir = tmp_path / "r"
+    (run_dir / "checkpoints" / ".step-000010.tmp-123").mkdir(parents=True)
+    for resume_it in (False, True):
+        for name in ("metrics.jsonl", "eval.jsonl", "summary.json"):
+            (run_dir / name).write_text("{}\n")
+        cfg = RunConfig()
+        cfg.run_dir, cfg.resume = str(run_dir), resume_it
+        resume.prepare_run_dir(cfg)
+        assert not any((run_dir / n).exists() for n in ("metrics.jsonl", "eval.jsonl", "summary.json"))
+        assert not list((run_dir / "checkpoints").iterdir())
 
 
 def test_train_resume_without_run_dir_reads_the_run_latest_points_at(tmp_path, monkeypatch, capsys):
