@@ -1,42 +1,69 @@
 """The live progress display of a training run: steps, loss, tokens/s, ring occupancy, restarts.
 
-On a terminal it is a tqdm bar whose postfix carries the figures; elsewhere (CI, a log file) tqdm prints
-a line at most every ``mininterval_s`` seconds. Ring occupancy is written per producer as
-``F/W/R/r`` = slots FREE / WRITING / READY / READING.
+On a terminal it is a tqdm bar whose postfix carries the figures. Elsewhere (CI, a log file, a service)
+it is a ``progress step=.../... loss=... tokens_per_s=... rings=... restarts=...`` log line at most every
+``log_interval_s`` seconds and one at the end, so logs stay free of carriage returns. Ring occupancy is
+written per producer as ``F/W/R/r`` = slots FREE / WRITING / READY / READING.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
+import time
 
 from tqdm import tqdm
 
+log = logging.getLogger(__name__)
+
 
 class Progress:
-    """Progress over ``total_steps`` optimizer steps."""
+    """Progress over ``total_steps`` optimizer steps; ``interactive`` defaults to ``sys.stderr.isatty()``."""
 
-    def __init__(self, total_steps: int, num_producers: int, mininterval_s: float = 1.0):
+    def __init__(self, total_steps: int, num_producers: int, mininterval_s: float = 1.0,
+                 log_interval_s: float = 10.0, interactive: bool | None = None):
         self.step = 0
+        self.total = total_steps
         self.loss: float | None = None
-        interactive = self.interactive = sys.stderr.isatty()
+        self.interactive = sys.stderr.isatty() if interactive is None else interactive
+        self.log_interval_s = log_interval_s
+        self._last_log = time.monotonic()
+        self._figures: tuple[float, str, int] | None = None
         self.bar = tqdm(total=total_steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
-                        mininterval=mininterval_s if interactive else 10.0, leave=True)
+                        mininterval=mininterval_s, leave=True) if self.interactive else None
 
     def update(self, step: int, loss: float, coordinator) -> None:
         """A ``Trained`` of rank 0 arrived for optimizer step ``step``."""
         if step > self.step:
-            self.bar.update(step - self.step)
+            if self.bar is not None:
+                self.bar.update(step - self.step)
             self.step = step
         self.loss = loss
 
     def refresh(self, coordinator, producers, tokens_per_s: float) -> None:
-        """Re-render the postfix (about once a second)."""
+        """Re-render the figures (about once a second); without a terminal, log them every ``log_interval_s``."""
         rings = " ".join(
             "{FREE}/{WRITING}/{READY}/{READING}".format(**coordinator.occupancy(p.index)) for p in producers)
         restarts = sum(p.restarts for p in producers)
         loss = f"{self.loss:.3f}" if self.loss is not None else "-"
-        self.bar.set_postfix_str(f"loss={loss} tok/s={tokens_per_s:,.0f} rings[F/W/R/r]={rings} restarts={restarts}",
-                                 refresh=self.interactive)
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss={loss} tok/s={tokens_per_s:,.0f} rings[F/W/R/r]={rings} "
+                                     f"restarts={restarts}", refresh=True)
+            return
+        self._figures = (tokens_per_s, rings.replace(" ", ","), restarts)
+        now = time.monotonic()
+        if now - self._last_log >= self.log_interval_s:
+            self._last_log = now
+            self._log_line()
+
+    def _log_line(self) -> None:
+        tokens_per_s, rings, restarts = self._figures
+        loss = f"{self.loss:.3f}" if self.loss is not None else "-"
+        log.info("progress step=%d/%d loss=%s tokens_per_s=%.0f rings_FWRr=%s restarts=%d", self.step, self.total,
+                 loss, tokens_per_s, rings, restarts)
 
     def close(self) -> None:
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
+        elif self._figures is not None:
+            self._log_line()

@@ -1,0 +1,23 @@
+"""The progress display without a terminal: plain ``progress step=...`` log lines, no carriage returns."""
+
+import logging
+from types import SimpleNamespace
+
+from supervisor.coordinator import BatchInfo, Coordinator
+from supervisor.progress import Progress
+
+
+def test_non_interactive_progress_logs_key_value_lines_without_carriage_returns(caplog, capsys):
+    co = Coordinator([BatchInfo(batch_id=i, epoch=0, sample_ids=[i], pad_to=8) for i in range(4)], num_producers=2,
+                     num_slots=3, num_consumers=1)
+    producers = [SimpleNamespace(index=0, restarts=1), SimpleNamespace(index=1, restarts=0)]
+    p = Progress(total_steps=4, num_producers=2, log_interval_s=0.0, interactive=False)
+    with caplog.at_level(logging.INFO, logger="supervisor.progress"):
+        p.update(3, 5.25, co)
+        p.refresh(co, producers, 1234.4)
+        p.update(4, 4.5, co)  # after the last refresh: the closing line still has the final step and loss
+        p.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "progress step=3/4 loss=5.250 tokens_per_s=1234 rings_FWRr=3/0/0/0,3/0/0/0 restarts=1"
+    assert lines[-1] == "progress step=4/4 loss=4.500 tokens_per_s=1234 rings_FWRr=3/0/0/0,3/0/0/0 restarts=1"
+    assert "\r" not in capsys.readouterr().err
