@@ -14,7 +14,7 @@ What is guaranteed:
 * A step directory is complete or absent: it is written under a temporary name, every file is fsynced,
   and the directory is renamed into place; only then is ``latest`` replaced, itself through a temporary
   file and ``os.replace``. A crash at any moment leaves ``latest`` naming a complete checkpoint (or no
-  ``latest`` at all). Left-over temporary directories (``.step-*.tmp-*``) are removed by the next save.
+  ``latest`` at all). Left-over temporaries (``.step-*.tmp-*``, ``.latest.tmp-*``) are removed by the next save.
 * ``load_checkpoint`` accepts a step directory, a checkpoints directory (follows ``latest``) or a run
   directory (follows ``checkpoints/latest``).
 
@@ -80,6 +80,8 @@ def save_checkpoint(checkpoints_dir: str | Path, step: int, tensors: dict[str, t
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".step-*.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(f".{LATEST_FILE}.tmp-*"):
+        stale.unlink(missing_ok=True)
     name = step_dir_name(step)
     final = root / name
     tmp = root / f".{name}.tmp-{os.getpid()}"

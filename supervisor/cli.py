@@ -207,31 +207,34 @@ def train_main(argv: list[str]) -> int:
             cfg.resume, cfg.run_dir = True, str(run_dir)  # the directory may have moved since
             print(f"resuming with the configuration saved in {saved} (flags other than --run-dir are ignored)",
                   file=sys.stderr)
-        from supervisor.resume import point_latest, prepare_run_dir
-        new_default = prepare_run_dir(cfg, plan_only=args.plan)
+        from supervisor.resume import claim_run_dir, prepare_run_dir
+        new_default = prepare_run_dir(cfg)
         from supervisor.runplan import resolve_run
         plan = resolve_run(cfg)
-        if new_default and not args.plan:
-            point_latest(cfg.run_dir)
+        if args.plan:
+            print(plan.describe(cfg))
+            return 0
+        lock = claim_run_dir(cfg, new_default)  # held until the run is over
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.plan:
-        print(plan.describe(cfg))
-        return 0
     if cfg.resume:
         from supervisor.resume import read_trained_from_checkpoint
         done = read_trained_from_checkpoint(Path(cfg.run_dir))
         if all(b.batch_id in done for b in plan.order):
             print(f"nothing to resume: all {len(plan.order)} planned batches of {cfg.run_dir} are in its latest "
                   f"checkpoint (see its summary.json)", file=sys.stderr)
+            lock.close()
             return 0
     _setup_logging(cfg.run_dir)
     from supervisor.supervisor import Supervisor
     from tqdm.contrib.logging import logging_redirect_tqdm
     sup = Supervisor(cfg, plan)
-    with logging_redirect_tqdm():
-        outcome = sup.run()
+    try:
+        with logging_redirect_tqdm():
+            outcome = sup.run()
+    finally:
+        lock.close()
     s = sup.summary
     restarts = " ".join(f"producer{k}={v}" for k, v in s["restarts"].items())
     line = (f"\nrun {s['exit_reason']}: {s['trained_batches']}/{s['planned_batches']} batches trained "

@@ -62,8 +62,11 @@ class Progress:
         log.info("progress step=%d/%d loss=%s tokens_per_s=%.0f rings_FWRr=%s restarts=%d", self.step, self.total,
                  loss, tokens_per_s, rings, restarts)
 
-    def close(self) -> None:
+    def close(self, tokens_per_s: float | None = None) -> None:
+        """End the display; without a terminal, log a last line (with the run's final ``tokens_per_s``)."""
         if self.bar is not None:
             self.bar.close()
         elif self._figures is not None:
+            if tokens_per_s is not None:
+                self._figures = (tokens_per_s, *self._figures[1:])
             self._log_line()

@@ -52,18 +52,20 @@ def stale_sockets(run_dir: Path) -> list[Path]:
     return []
 
 
-def prepare_run_dir(cfg: RunConfig, plan_only: bool = False) -> bool:
-    """Pick and check ``cfg.run_dir`` (see module docstring); raises ``ConfigError`` naming ``--run-dir``.
+def prepare_run_dir(cfg: RunConfig) -> bool:
+    """Pick and check ``cfg.run_dir`` (see module docstring); changes nothing on disk. Raises
+    ``ConfigError`` naming ``--run-dir`` or ``--resume``.
 
-    Returns True when a new ``runs/<UTC time>`` was chosen: the caller then calls ``point_latest`` once the
-    run has passed its checks, so a refused start never moves ``runs/latest``. A fresh run into a
-    directory without checkpoints, and a ``--resume`` of a run that saved none (it starts again from its
-    beginning), clear that directory's earlier ``metrics.jsonl``, ``eval.jsonl``, ``summary.json`` and
-    ``tensorboard/``. With ``plan_only`` (``train --plan``) nothing on disk changes."""
+    Returns True when a new ``runs/<UTC time>`` was chosen (``claim_run_dir`` then moves ``runs/latest``;
+    ``train --plan`` stops before that)."""
     new_default = False
+    latest = REPO_ROOT / "runs" / "latest"
     if cfg.resume:
         cfg.run_dir = resume_dir(cfg.run_dir)
     elif cfg.run_dir in ("", "runs/default"):
+        if latest.exists() and not latest.is_symlink():
+            raise ConfigError(f"--run-dir: {latest} is not the symbolic link specring keeps there; move it away "
+                              f"or give --run-dir")
         cfg.run_dir = str(REPO_ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
         new_default = True
     run_dir = Path(cfg.run_dir)
@@ -72,20 +74,54 @@ def prepare_run_dir(cfg: RunConfig, plan_only: bool = False) -> bool:
         raise ConfigError(f"--run-dir: a run is already going in {run_dir} (supervisor pid {pid}); "
                           f"watch it with `launch.py status --run-dir {run_dir}`")
     ckpts = run_dir / "checkpoints"
-    if not cfg.resume and ckpts.is_dir() and any(p.name.startswith("step-") for p in ckpts.iterdir()):
+    steps = sorted(p.name for p in ckpts.glob("step-*") if p.is_dir()) if ckpts.is_dir() else []
+    if not cfg.resume and (steps or (ckpts / "latest").exists()):
         raise ConfigError(f"--run-dir: {run_dir} already holds checkpoints of an earlier run; "
                           f"continue it with --resume or choose another --run-dir")
-    if plan_only:
-        return new_default
-    for tmp in (ckpts.glob(".step-*.tmp-*") if ckpts.is_dir() else ()):
-        shutil.rmtree(tmp, ignore_errors=True)  # a write cut short by a dead consumer: never a checkpoint
-    if checkpoint_step_on_disk(run_dir) is None:  # nothing saved: whatever an earlier start logged is void
+    if cfg.resume and (ckpts / "latest").exists() and checkpoint_step_on_disk(run_dir) is None:
+        name = (ckpts / "latest").read_text(errors="replace").strip()
+        raise ConfigError(f"--resume: {ckpts / 'latest'} names {name!r}, which is not a complete checkpoint "
+                          f"(complete ones: {', '.join(steps) or 'none'}); write the name of one of them into it")
+    return new_default
+
+
+def claim_run_dir(cfg: RunConfig, new_default: bool):
+    """Take ``cfg.run_dir`` for this launcher, once the run has passed every start-up check.
+
+    Creates the directory, holds an exclusive ``flock`` on ``RUN_DIR/.lock`` (returned: keep it open for the
+    life of the run; the kernel drops it if the launcher dies), removes half-written checkpoints, and, when
+    no checkpoint was ever saved there, the records of an earlier start (``metrics.jsonl``, ``eval.jsonl``,
+    ``summary.json``, ``tensorboard/``: the weights they describe are gone). Moves ``runs/latest`` to a new
+    default run. Raises ``ConfigError`` when another launcher holds the directory."""
+    import fcntl
+
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(run_dir / ".lock", "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise ConfigError(f"--run-dir: another launcher is starting or running in {run_dir}") from None
+    pid = supervisor_alive(run_dir)
+    if pid is not None:  # it set up between our check and the lock
+        lock.close()
+        raise ConfigError(f"--run-dir: a run is already going in {run_dir} (supervisor pid {pid})")
+    ckpts = run_dir / "checkpoints"
+    if ckpts.is_dir():
+        for tmp in ckpts.glob(".step-*.tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)  # a write cut short by a dead consumer: never a checkpoint
+        for tmp in ckpts.glob(".latest.tmp-*"):
+            tmp.unlink(missing_ok=True)
+    if checkpoint_step_on_disk(run_dir) is None and not (ckpts / "latest").exists():
         if cfg.resume:
             log.warning("resume run_dir=%s has no checkpoint: its batches are trained from the beginning", run_dir)
         for name in ("metrics.jsonl", "eval.jsonl", "summary.json"):
             (run_dir / name).unlink(missing_ok=True)
         shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
-    return new_default
+    if new_default:
+        point_latest(cfg.run_dir)
+    return lock
 
 
 def point_latest(run_dir: str) -> None:
@@ -96,7 +132,11 @@ def point_latest(run_dir: str) -> None:
     if tmp.is_symlink():
         tmp.unlink()
     tmp.symlink_to(Path(run_dir).name)
-    os.replace(tmp, latest)
+    try:
+        os.replace(tmp, latest)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise ConfigError(f"--run-dir: cannot point {latest} at {run_dir}: {e}") from None
 
 
 def resume_dir(run_dir: str) -> str:
@@ -105,7 +145,10 @@ def resume_dir(run_dir: str) -> str:
     if run_dir not in ("", "runs/default"):
         return run_dir
     latest = REPO_ROOT / "runs" / "latest"
-    return str(latest.resolve() if latest.is_symlink() else latest)
+    try:
+        return str(latest.resolve(strict=False) if latest.is_symlink() else latest)
+    except (OSError, RuntimeError) as e:  # a link loop
+        raise ConfigError(f"--resume: {latest} cannot be followed ({e}); give --run-dir") from None
 
 
 def checkpoint_step_on_disk(run_dir: Path) -> int | None:

@@ -330,7 +330,7 @@ class Supervisor:
             self._cleanup()
             for s, h in old_handlers.items():
                 signal.signal(s, h)
-            self.progress.close()
+            self.progress.close(self.tokens_per_s())
             co = self.coordinator
             if (self.stop_reason or "done") == "done" and co is not None and co.bad and not co.trained:
                 self.stop_reason = "all_batches_bad"  # nothing trainable: not a success

@@ -351,3 +351,22 @@ def test_sigint_before_the_consumer_connects_stops_promptly(dataset, tmp_path):
         proc = start_launcher(["--run-dir", str(run_dir), "--resume"], log_path=tmp_path / "second.log")
         assert _finish(proc, 240) == 0, (tmp_path / "second.log").read_text()[-3000:]
         _assert_exactly_once(run_dir, expect_planned=8)
+
+
+def test_two_launchers_started_together_on_one_run_dir(dataset, tmp_path):
+    """Two launchers started at the same moment on one --run-dir: exactly one runs (and can be watched to
+    the end); the other is refused before it starts anything or touches the winner's files."""
+    run_dir = tmp_path / "run"
+    flags = small_flags(dataset, run_dir, 10)
+    procs = [start_launcher(flags, log_path=tmp_path / f"l{i}.log") for i in range(2)]
+    try:
+        codes = [_finish(p, 240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_tree(p)
+    logs = [(tmp_path / f"l{i}.log").read_text() for i in range(2)]
+    assert sorted(codes) == [0, 2], (codes, [x[-1500:] for x in logs])
+    loser = logs[codes.index(2)]
+    assert "another launcher is starting or running" in loser or "a run is already going" in loser, loser
+    _assert_exactly_once(run_dir, expect_planned=10)

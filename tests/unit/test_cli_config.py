@@ -93,21 +93,49 @@ def test_run_dir_default_is_a_new_stamped_dir_and_resume_defaults_to_latest(tmp_
 
 
 def test_fresh_start_or_resume_without_checkpoint_clears_the_earlier_records(tmp_path):
-    """A run directory whose earlier start saved no checkpoint (only a half-written one): its metrics,
-    eval records and summary are void and removed, and so is the half-written checkpoint."""
+    """A run directory whose earlier start saved no checkpoint (only a half-written one): checking it
+    changes nothing; claiming it (after every start-up check passed) removes its void records and the
+    half-written checkpoint."""
     from shared.config import RunConfig
     from supervisor import resume
 
     run_dir = tmp_path / "r"
     (run_dir / "checkpoints" / ".step-000010.tmp-123").mkdir(parents=True)
+    records = ("metrics.jsonl", "eval.jsonl", "summary.json")
     for resume_it in (False, True):
-        for name in ("metrics.jsonl", "eval.jsonl", "summary.json"):
+        for name in records:
             (run_dir / name).write_text("{}\n")
         cfg = RunConfig()
         cfg.run_dir, cfg.resume = str(run_dir), resume_it
+        assert resume.prepare_run_dir(cfg) is False
+        assert all((run_dir / n).exists() for n in records)  # a start refused later must lose nothing
+        lock = resume.claim_run_dir(cfg, False)
+        lock.close()
+        assert not any((run_dir / n).exists() for n in records)
+        assert not list((run_dir / "checkpoints").glob(".step-*"))
+
+
+def test_run_dir_is_held_by_one_launcher_and_a_broken_latest_pointer_is_named(tmp_path):
+    from consumer.checkpoint import WEIGHTS_FILE
+    from shared.config import RunConfig
+    from supervisor import resume
+
+    cfg = RunConfig()
+    cfg.run_dir = str(tmp_path / "r")
+    lock = resume.claim_run_dir(cfg, False)
+    with pytest.raises(ConfigError, match="another launcher"):
+        resume.claim_run_dir(cfg, False)
+    lock.close()
+    resume.claim_run_dir(cfg, False).close()  # free again once the holder let go (or died)
+    ckpts = tmp_path / "r" / "checkpoints"
+    (ckpts / "step-000010").mkdir(parents=True)
+    (ckpts / "step-000010" / WEIGHTS_FILE).write_bytes(b"")
+    (ckpts / "latest").write_text("step-000012\n")
+    (tmp_path / "r" / "metrics.jsonl").write_text("{}\n")
+    cfg.resume = True
+    with pytest.raises(ConfigError, match="step-000012.*complete ones: step-000010"):
         resume.prepare_run_dir(cfg)
-        assert not any((run_dir / n).exists() for n in ("metrics.jsonl", "eval.jsonl", "summary.json"))
-        assert not list((run_dir / "checkpoints").iterdir())
+    assert (tmp_path / "r" / "metrics.jsonl").exists()
 
 
 def test_train_resume_without_run_dir_reads_the_run_latest_points_at(tmp_path, monkeypatch, capsys):

@@ -16,8 +16,8 @@ def test_non_interactive_progress_logs_key_value_lines_without_carriage_returns(
         p.update(3, 5.25, co)
         p.refresh(co, producers, 1234.4)
         p.update(4, 4.5, co)  # after the last refresh: the closing line still has the final step and loss
-        p.close()
+        p.close(tokens_per_s=1000.0)
     lines = [r.getMessage() for r in caplog.records]
     assert lines[0] == "progress step=3/4 loss=5.250 tokens_per_s=1234 rings_FWRr=3/0/0/0,3/0/0/0 restarts=1"
-    assert lines[-1] == "progress step=4/4 loss=4.500 tokens_per_s=1234 rings_FWRr=3/0/0/0,3/0/0/0 restarts=1"
+    assert lines[-1] == "progress step=4/4 loss=4.500 tokens_per_s=1000 rings_FWRr=3/0/0/0,3/0/0/0 restarts=1"
     assert "\r" not in capsys.readouterr().err
