@@ -149,10 +149,20 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu"
     with safe_open(str(step_dir / WEIGHTS_FILE), framework="pt", device=str(map_location)) as f:
         for k in f.keys():
             tensors[k] = f.get_tensor(k)
-    state_path = step_dir / STATE_FILE
-    state = torch.load(state_path, map_location=map_location, weights_only=False) if state_path.is_file() else {}
+    state = load_trainer_state(step_dir, map_location)
     config = json.loads((step_dir / CONFIG_FILE).read_text())
     return tensors, state, config
+
+
+def load_trainer_state(path: str | Path, map_location: str | torch.device = "cpu",
+                       mmap: bool = False) -> dict[str, Any]:
+    """The trainer state (step, trained batch ids, optimizer, RNG) of the checkpoint at ``path`` alone, without
+    the weights; ``{}`` if it has none. ``mmap=True`` maps the file instead of reading it, so a caller that
+    wants only the small fields (the supervisor on ``--resume``) does not read a large optimizer state."""
+    state_path = resolve_checkpoint(path) / STATE_FILE
+    if not state_path.is_file():
+        return {}
+    return torch.load(state_path, map_location=map_location, weights_only=False, mmap=mmap)
 
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from shared.config import REPO_ROOT, RunConfig
 from shared.errors import ConfigError, PeerTimeout
+from supervisor.resume import latest_link
 
 log = logging.getLogger(__name__)
 
@@ -218,10 +219,11 @@ def train_main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    trained: set[int] = set()
     if cfg.resume:
         from supervisor.resume import read_trained_from_checkpoint
-        done = read_trained_from_checkpoint(Path(cfg.run_dir))
-        if all(b.batch_id in done for b in plan.order):
+        trained = read_trained_from_checkpoint(Path(cfg.run_dir))
+        if all(b.batch_id in trained for b in plan.order):
             print(f"nothing to resume: all {len(plan.order)} planned batches of {cfg.run_dir} are in its latest "
                   f"checkpoint (see its summary.json)", file=sys.stderr)
             lock.close()
@@ -229,7 +231,7 @@ def train_main(argv: list[str]) -> int:
     _setup_logging(cfg.run_dir)
     from supervisor.supervisor import Supervisor
     from tqdm.contrib.logging import logging_redirect_tqdm
-    sup = Supervisor(cfg, plan)
+    sup = Supervisor(cfg, plan, trained=trained)
     try:
         with logging_redirect_tqdm():
             outcome = sup.run()
@@ -267,7 +269,7 @@ def _address(run_dir: str) -> str:
 def status_main(argv: list[str]) -> int:
     """``launch.py status --run-dir R``: one line per process from the running supervisor."""
     ap = argparse.ArgumentParser(prog="launch.py status")
-    ap.add_argument("--run-dir", default=str(REPO_ROOT / "runs" / "latest"), help="the run to ask (default: runs/latest)")
+    ap.add_argument("--run-dir", default=str(latest_link()), help="the run to ask (default: runs/latest)")
     ap.add_argument("--json", action="store_true", help="print the raw status as JSON")
     args = ap.parse_args(argv)
     from shared import channel, messages as m
@@ -314,7 +316,7 @@ def restart_main(argv: list[str]) -> int:
                                  "generation; its published slots are still consumed.")
     ap.add_argument("role", choices=["producer"], help="only producers can be restarted")
     ap.add_argument("index", type=int, help="producer index (the number after producer- in `launch.py status`)")
-    ap.add_argument("--run-dir", default=str(REPO_ROOT / "runs" / "latest"), help="the run (default: runs/latest)")
+    ap.add_argument("--run-dir", default=str(latest_link()), help="the run (default: runs/latest)")
     args = ap.parse_args(argv)
     from shared import channel, messages as m
     try:

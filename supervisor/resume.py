@@ -59,7 +59,7 @@ def prepare_run_dir(cfg: RunConfig) -> bool:
     Returns True when a new ``runs/<UTC time>`` was chosen (``claim_run_dir`` then moves ``runs/latest``;
     ``train --plan`` stops before that)."""
     new_default = False
-    latest = REPO_ROOT / "runs" / "latest"
+    latest = latest_link()
     if cfg.resume:
         cfg.run_dir = resume_dir(cfg.run_dir)
     elif cfg.run_dir in ("", "runs/default"):
@@ -126,7 +126,7 @@ def claim_run_dir(cfg: RunConfig, new_default: bool):
 
 def point_latest(run_dir: str) -> None:
     """Point ``runs/latest`` at ``run_dir`` (a directory under ``runs/``), atomically."""
-    latest = REPO_ROOT / "runs" / "latest"
+    latest = latest_link()
     latest.parent.mkdir(parents=True, exist_ok=True)
     tmp = latest.with_name(f".latest-{os.getpid()}")
     if tmp.is_symlink():
@@ -139,12 +139,17 @@ def point_latest(run_dir: str) -> None:
         raise ConfigError(f"--run-dir: cannot point {latest} at {run_dir}: {e}") from None
 
 
+def latest_link() -> Path:
+    """``REPO_ROOT/runs/latest``: the link to the newest run, and the default of ``status``/``restart``."""
+    return REPO_ROOT / "runs" / "latest"
+
+
 def resume_dir(run_dir: str) -> str:
     """The directory ``--resume`` continues: ``run_dir``, or without ``--run-dir`` the run that
     ``runs/latest`` points at."""
     if run_dir not in ("", "runs/default"):
         return run_dir
-    latest = REPO_ROOT / "runs" / "latest"
+    latest = latest_link()
     try:
         return str(latest.resolve(strict=False) if latest.is_symlink() else latest)
     except (OSError, RuntimeError) as e:  # a link loop
@@ -154,22 +159,22 @@ def resume_dir(run_dir: str) -> str:
 def checkpoint_step_on_disk(run_dir: Path) -> int | None:
     """Optimizer step of the checkpoint that ``checkpoints/latest`` names (read from its name, nothing is
     loaded), or None when there is no complete one."""
-    from consumer.checkpoint import WEIGHTS_FILE
-    ckpts = Path(run_dir) / "checkpoints"
+    from consumer.checkpoint import latest_checkpoint
     try:
-        name = (ckpts / "latest").read_text().strip()
-    except OSError:
+        path = latest_checkpoint(Path(run_dir) / "checkpoints")
+    except (OSError, ValueError):  # latest names a directory without weights, or cannot be read
         return None
-    if not name.startswith("step-") or not name[5:].isdigit() or not (ckpts / name / WEIGHTS_FILE).is_file():
+    if path is None or not path.name.startswith("step-") or not path.name[5:].isdigit():
         return None
-    return int(name[5:])
+    return int(path.name[5:])
 
 
 def read_trained_from_checkpoint(run_dir: Path) -> set[int]:
-    """Batch ids trained up to the latest checkpoint of ``run_dir`` (empty set if there is none)."""
-    from consumer.checkpoint import load_checkpoint, latest_checkpoint
+    """Batch ids trained up to the latest checkpoint of ``run_dir`` (empty set if there is none); reads the
+    trainer state only (memory-mapped), not the weights."""
+    from consumer.checkpoint import latest_checkpoint, load_trainer_state
     path = latest_checkpoint(Path(run_dir) / "checkpoints")
     if path is None:
         return set()
-    state = load_checkpoint(path)[1]
+    state = load_trainer_state(path, mmap=True)
     return {int(b) for b in list(state["trained_batch_ids"]) + list(state.get("skipped_batch_ids", []))}

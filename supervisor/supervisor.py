@@ -53,10 +53,13 @@ class Outcome:
 
 
 class Supervisor:
-    """One training run. ``plan`` is the resolved ``RunPlan`` (batch order, ring sizes, target shape)."""
+    """One training run. ``plan`` is the resolved ``RunPlan`` (batch order, ring sizes, target shape);
+    ``trained``: on ``--resume``, the batch ids of the checkpoint resumed from when the caller has already
+    read them (``None``: read from the run directory)."""
 
-    def __init__(self, cfg: RunConfig, plan: RunPlan):
+    def __init__(self, cfg: RunConfig, plan: RunPlan, trained: set[int] | None = None):
         self.cfg = cfg
+        self._trained_given = trained
         self.plan = plan
         self.run_dir = Path(cfg.run_dir)
         self.run_id = cfg.run_id or new_run_id()
@@ -91,7 +94,8 @@ class Supervisor:
             os.unlink(self.address[6:])  # stale socket of a dead run (the pid lock below ensures that)
         trained: set[int] = set()
         if cfg.resume:
-            trained = read_trained_from_checkpoint(self.run_dir)
+            trained = self._trained_given if self._trained_given is not None else \
+                read_trained_from_checkpoint(self.run_dir)
             self.trained_at_start = set(trained)
             self._checkpoint_from_disk()
             log.info("resume trained_batches=%d", len(trained))
