@@ -44,6 +44,20 @@ def _finish(proc: subprocess.Popen, timeout_s: float) -> int:
         raise AssertionError(f"launcher did not finish within {timeout_s:.0f}s")
 
 
+def _kill_consumer_when(proc: subprocess.Popen, run_dir: Path, ready, what: str, settle_s: float,
+                        finish_s: float) -> int:
+    """Once ``ready()`` holds (within 180 s) and ``settle_s`` more have passed, SIGKILL consumer 0; return the
+    launcher's exit code (it must finish within ``finish_s``). The launcher is killed if anything fails."""
+    try:
+        wait_for(ready, 180, what)
+        time.sleep(settle_s)
+        os.kill(child_pid(run_dir, "consumer", 0), signal.SIGKILL)
+        return _finish(proc, finish_s)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+
+
 def _assert_exactly_once(run_dir: Path, expect_planned: int | None = None) -> dict:
     s = summary(run_dir)
     ids = metrics_batch_ids(run_dir)
@@ -173,14 +187,8 @@ def test_consumer_death_stops_run_and_resume_completes_exactly_once(dataset, tmp
     run_dir = tmp_path / "run"
     flags = small_flags(dataset, run_dir, 60)
     proc = start_launcher(flags, log_path=tmp_path / "first.log")
-    try:
-        wait_for(lambda: (run_dir / "checkpoints" / "latest").is_file(), 180, "a first checkpoint")
-        time.sleep(1.0)
-        os.kill(child_pid(run_dir, "consumer", 0), signal.SIGKILL)
-        code = _finish(proc, 60)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
+    code = _kill_consumer_when(proc, run_dir, lambda: (run_dir / "checkpoints" / "latest").is_file(),
+                               "a first checkpoint", settle_s=1.0, finish_s=60)
     assert code != 0
     s1 = summary(run_dir)
     assert s1["exit_reason"].startswith("consumer_0_died"), s1
@@ -298,15 +306,9 @@ def test_consumer_killed_during_final_checkpoint_is_not_a_success_and_resume_com
     proc = start_launcher(small_flags(dataset, run_dir, 10, checkpoint_every=4),
                           env={"SPECRING_SLOW_CHECKPOINT_S": "3"}, log_path=tmp_path / "first.log")
     consumer_log = run_dir / "logs" / "consumer-0.log"
-    try:
-        wait_for(lambda: consumer_log.is_file() and "shutdown reason=done" in consumer_log.read_text(), 180,
-                 "the final checkpoint to start")
-        time.sleep(0.5)
-        os.kill(child_pid(run_dir, "consumer", 0), signal.SIGKILL)
-        code = _finish(proc, 90)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
+    code = _kill_consumer_when(proc, run_dir,
+                               lambda: consumer_log.is_file() and "shutdown reason=done" in consumer_log.read_text(),
+                               "the final checkpoint to start", settle_s=0.5, finish_s=90)
     log = (tmp_path / "first.log").read_text()
     assert code == 1, log[-3000:]
     s1 = summary(run_dir)

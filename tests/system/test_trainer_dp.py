@@ -16,6 +16,7 @@ import torch
 from consumer.dflash import DFlashConfig
 from consumer.trainer import Trainer, make_batch_in_process
 from shared.config import TrainerConfig
+from tests.unit.test_trainer import cat_batches
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "assets" / "tiny-code-lm"
@@ -54,14 +55,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _cat(bs):
-    cu = [0]
-    for b in bs:
-        cu += [cu[-1] + int(x) for x in b["cu_seqlens"][1:]]
-    return {"hidden": torch.cat([b["hidden"] for b in bs]), "input_ids": torch.cat([b["input_ids"] for b in bs]),
-            "loss_mask": torch.cat([b["loss_mask"] for b in bs]), "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
 
 
 def _batches():
@@ -119,7 +112,7 @@ def test_two_gloo_consumers_equal_one_process_on_the_union(tmp_path):
     single = Trainer(TrainerConfig(**trainer_kw), dcfg, TARGET, "cpu", tmp_path / "single", write_metrics=False)
     w0 = {k: v.clone() for k, v in single.model.trainable_state_dict().items()}
     for k in range(STEPS):
-        m = single.step(_cat([batches[2 * k], batches[2 * k + 1]]), [1000 + k])
+        m = single.step(cat_batches([batches[2 * k], batches[2 * k + 1]]), [1000 + k])
         dp = r0["metrics"][k]
         assert dp["optimizer_step"] and dp["batch_ids"] == [2 * k, 2 * k + 1]
         assert r1["metrics"][k]["batch_ids"] == [2 * k, 2 * k + 1]

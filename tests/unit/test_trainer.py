@@ -94,6 +94,7 @@ def same_update(w0, a, b, rel=0.02):
 
 
 def cat_batches(bs):
+    """One packed batch made of the packed batches ``bs`` (``cu_seqlens`` offset accordingly)."""
     cu = [0]
     for b in bs:
         cu += [cu[-1] + int(x) for x in b["cu_seqlens"][1:]]
