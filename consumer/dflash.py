@@ -41,6 +41,7 @@ from torch import nn
 
 # One definition of the default capture layers for producer and consumer.
 from producers.target import resolve_layer_ids
+from consumer.blocks import FlexMask
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +213,22 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))
 
 
+_COMPILED_FLEX = None
+
+
+def flex_attention_fn(compiled: bool):
+    """``torch.nn.attention.flex_attention.flex_attention``, compiled with ``torch.compile`` when ``compiled``
+    (CUDA: the fused block-sparse kernel; compiled once per process and reused) or eager (CPU tests: an
+    unfused reference that materialises the scores)."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+    if not compiled:
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention)
+    return _COMPILED_FLEX
+
+
 def block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
                     v_blk: torch.Tensor, ctx_mask: torch.Tensor, block_size: int) -> torch.Tensor:
     """Attention of ``A`` blocks of ``B`` draft queries over a masked context plus their own block.
@@ -267,11 +284,20 @@ class DFlashAttention(nn.Module):
         ``cos/sin [Q, D]`` of the draft positions. Dense form (``block_size=None``): ``attn_mask [Q, C+Q]
         bool`` (True = may attend) or None (everything visible). Structured form (``block_size=B``):
         ``attn_mask [Q, C]`` is the context mask and each run of ``B`` draft tokens sees exactly itself
-        (``block_attention``). Returns ``[Q, H]``."""
+        (``block_attention``). Flex form (``attn_mask`` a ``consumer.blocks.FlexMask``): ``x`` and the context
+        are already padded to the mask's ``q_len``/``ctx_len`` and ``flex_attention`` runs the block-sparse
+        pattern (compiled on CUDA). Returns ``[Q, H]``."""
         q_len = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(q_len, self.num_heads, self.head_dim)).transpose(0, 1)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.project_kv(x, cos, sin)
+        if isinstance(attn_mask, FlexMask):
+            dt = v_blk.dtype  # the matmul dtype (bfloat16 under autocast); norms and RoPE return float32
+            k = torch.cat([ctx_kv[0].to(dt), k_blk.to(dt)], dim=1)[None]
+            v = torch.cat([ctx_kv[1].to(dt), v_blk], dim=1)[None]
+            out = flex_attention_fn(q.is_cuda)(q.to(dt)[None], k, v, block_mask=attn_mask.block_mask,
+                                               enable_gqa=self.num_heads != self.num_kv_heads)[0]
+            return self.o_proj(out.transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim))
         if block_size is not None:
             out = block_attention(q, ctx_kv[0].to(k_blk.dtype), ctx_kv[1].to(v_blk.dtype), k_blk, v_blk,
                                   attn_mask, block_size)
@@ -454,17 +480,25 @@ class DFlashDrafter(nn.Module):
         (positions inside their sequence), ``ctx_hidden [C, n*H]``, ``ctx_positions [C] long``,
         ``attn_mask [Q, C+Q] bool`` (True = may attend; columns are context then draft tokens) or None;
         or, with ``block_size=B``, the context mask ``[Q, C]`` alone (each block of B draft tokens then
-        sees exactly itself; ``block_attention``), which needs ``Q*(C+B)`` scores instead of ``Q*(C+Q)``.
+        sees exactly itself; ``block_attention``), which needs ``Q*(C+B)`` scores instead of ``Q*(C+Q)``;
+        or a ``consumer.blocks.FlexMask`` (``build_flex_mask``): block-sparse ``flex_attention``, about
+        ``Q*(context before the anchor + B)`` scores, the training form on CUDA.
         Returns ``[Q, H]`` after the final norm; ``logits()`` maps it to the vocabulary.
         """
-        x = self.embed(block_input_ids)
         ctx = self.project_context(ctx_hidden)
+        if isinstance(attn_mask, FlexMask):  # pad queries and context to the mask's tile multiples
+            q_pad, c_pad = attn_mask.q_len - block_input_ids.shape[0], attn_mask.ctx_len - ctx.shape[0]
+            block_input_ids = F.pad(block_input_ids, (0, q_pad), value=self.config.mask_token_id)
+            block_positions = F.pad(block_positions, (0, q_pad))
+            ctx, ctx_positions = F.pad(ctx, (0, 0, 0, c_pad)), F.pad(ctx_positions, (0, c_pad))
+        x = self.embed(block_input_ids)
         cos_q, sin_q = self._rope(block_positions)
         cos_c, sin_c = self._rope(ctx_positions)
         for layer in self.layers:
             ctx_kv = layer.self_attn.project_kv(ctx, cos_c, sin_c)
             x = layer(x, ctx_kv, cos_q, sin_q, attn_mask, block_size)
-        return self.norm(x)
+        x = self.norm(x)
+        return x[:attn_mask.num_queries] if isinstance(attn_mask, FlexMask) else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> ``[..., V]`` through the frozen target LM head."""

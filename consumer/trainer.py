@@ -4,9 +4,12 @@
 ``step``; tests call it directly. One ``Trainer`` per data-parallel rank.
 
 What a step does (DFlash paper, training section; SpecForge ``specforge/core/dflash.py`` for the same
-loss): sample anchors (``consumer/blocks.py``), build blocks, run the drafter over groups of sequences
-whose attention mask/scores stay under ``max_mask_elems``, and back-propagate the *unnormalised*
-weighted cross-entropy ``sum_k w_k * CE_k``. Every ``grad_accum`` micro-batches the optimizer step
+loss): sample anchors (``consumer/blocks.py``), build blocks and labels (the data's tokens, or with
+``label_source="target"`` the target's own greedy next tokens that the producer put in the slot), run the
+drafter (on CUDA one forward over the whole batch with block-sparse flex attention; on CPU over groups of
+sequences whose attention scores stay under ``max_mask_elems``), and back-propagate the *unnormalised*
+weighted cross-entropy ``sum_k w_k * CE_k`` (plus, with ``distill_topk``, the KL divergence to the target's
+top-K distribution). Every ``grad_accum`` micro-batches the optimizer step
 divides the gradients by the sum of weights of the whole window over the whole data-parallel group
 (``all_reduce``), so the update is exactly that of one process on the union of the batches, however they
 fall on ranks and micro-batches.
@@ -43,8 +46,8 @@ import torch
 import torch.distributed as dist
 
 from consumer import checkpoint as ckpt
-from consumer.blocks import block_loss, build_attention_mask, build_block_batch, build_context_mask, loss_weights, \
-    sample_anchors, split_sequences
+from consumer.blocks import block_loss, build_attention_mask, build_block_batch, build_context_mask, build_flex_mask, \
+    loss_weights, sample_anchors, split_sequences, to_device
 from consumer.dflash import EMBED_KEY, HEAD_KEY, DFlashConfig, DFlashDrafter
 from shared.config import RunConfig, TrainerConfig
 from shared.errors import BadBatch
@@ -52,6 +55,7 @@ from shared.errors import BadBatch
 logger = logging.getLogger(__name__)
 
 BATCH_KEYS = ("hidden", "input_ids", "loss_mask", "cu_seqlens")
+TARGET_LABEL_KEYS = ("target_ids", "target_topk_ids", "target_topk_logprobs")
 
 
 def dflash_config_from_run(run: RunConfig) -> DFlashConfig:
@@ -79,11 +83,18 @@ def anchor_seed(seed: int, batch_ids: list[int]) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
-def check_batch(batch: dict[str, torch.Tensor], dcfg: DFlashConfig) -> int:
-    """Validate a packed batch; return its token count ``T``. Raises ``BadBatch`` naming the field."""
-    for k in BATCH_KEYS:
+def check_batch(batch: dict[str, torch.Tensor], dcfg: DFlashConfig, label_source: str = "data") -> int:
+    """Validate a packed batch; return its token count ``T``. Raises ``BadBatch`` naming the field.
+
+    The checks read ``cu_seqlens`` and ``input_ids`` on the host: free for the CPU tensors a consumer hands
+    over before its copy lands, one synchronisation for device tensors. ``label_source="target"`` also needs
+    ``target_ids [T]`` (the producer's greedy next tokens).
+    """
+    for k in BATCH_KEYS + (("target_ids",) if label_source == "target" else ()):
         if k not in batch:
-            raise BadBatch(f"batch: field {k!r} missing (have {sorted(batch)})")
+            raise BadBatch(f"batch: field {k!r} missing (have {sorted(batch)})"
+                           + (" (label_source=target needs the producer to send target_ids)"
+                              if k == "target_ids" else ""))
     hidden, ids, lm, cu = (batch[k] for k in BATCH_KEYS)
     t = ids.shape[0]
     width = dcfg.num_target_layers * dcfg.hidden_size
@@ -92,10 +103,18 @@ def check_batch(batch: dict[str, torch.Tensor], dcfg: DFlashConfig) -> int:
                        f"({dcfg.num_target_layers} layers x {dcfg.hidden_size})")
     if ids.dim() != 1 or lm.shape != ids.shape:
         raise BadBatch(f"batch: input_ids {tuple(ids.shape)} and loss_mask {tuple(lm.shape)} must be equal 1-D")
-    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != t:
-        raise BadBatch(f"batch: cu_seqlens must run from 0 to {t}, got {cu.tolist()[:4]}...{cu.tolist()[-2:]}")
-    if t and (int(ids.min()) < 0 or int(ids.max()) >= dcfg.vocab_size):
-        raise BadBatch(f"batch: input_ids outside 0..{dcfg.vocab_size - 1}")
+    for k in TARGET_LABEL_KEYS:
+        if k in batch and batch[k].shape[0] != t:
+            raise BadBatch(f"batch: {k} has {batch[k].shape[0]} rows, input_ids {t}")
+    cu = cu.detach().cpu()
+    if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != t or bool((cu[1:] < cu[:-1]).any()):
+        raise BadBatch(f"batch: cu_seqlens must run from 0 to {t} without decreasing, got "
+                       f"{cu.tolist()[:4]}...{cu.tolist()[-2:]}")
+    for k in ("input_ids", "target_ids"):
+        if k in batch and t:
+            lo, hi = (int(x) for x in batch[k].detach().aminmax())
+            if lo < 0 or hi >= dcfg.vocab_size:
+                raise BadBatch(f"batch: {k} outside 0..{dcfg.vocab_size - 1} (min {lo}, max {hi})")
     return t
 
 
@@ -108,12 +127,13 @@ class Trainer:
     initialised (gloo on CPU, NCCL on GPU) and ``process_group`` (default: the world) spans the consumers.
 
     Keyword options: ``total_steps`` (schedule length; default ``cfg.max_steps``), ``max_mask_elems``
-    (mask/score budget per forward, default 2**27, see ``split_sequences``), ``attention``: ``"dense"``
-    (``[Q, C+Q]`` mask into ``scaled_dot_product_attention``, which on CUDA runs fused cuDNN/mem-efficient
-    kernels that never store the scores), ``"structured"`` (context mask + own block, scores computed
-    explicitly, ``Q*(C+B)`` of them: cheaper on CPU) or ``"auto"`` (default: dense on CUDA, structured
-    elsewhere; measured on an H200 with a Qwen3-8B-shaped drafter, 4 x 2048 tokens, 512 anchors, B = 16:
-    dense 1.01 s/step and 45.6 GiB peak, structured 1.16 s/step and 59.7 GiB, one sequence per group),
+    (mask/score budget per forward of the grouped forms, default 2**27, see ``split_sequences``),
+    ``attention``: ``"flex"`` (the whole batch in one forward; block-sparse ``flex_attention`` compiled for
+    the GPU, ``consumer.blocks.build_flex_mask``: only the context before each anchor and the own block are
+    computed), ``"dense"`` (groups of sequences, ``[Q, C+Q]`` mask into ``scaled_dot_product_attention``),
+    ``"structured"`` (groups, context mask + own block, scores computed explicitly, ``Q*(C+B)`` of them:
+    the cheapest on CPU) or ``"auto"`` (default: flex on CUDA, structured elsewhere; see
+    ``benchmarks/trainer.py`` and docs/performance.md for the measured rates),
     ``write_metrics`` (rank 0 writes ``metrics.jsonl``), ``keep_last`` (checkpoints kept; None = all).
     """
 
@@ -134,9 +154,9 @@ class Trainer:
         self.max_mask_elems = int(max_mask_elems)
         # rows of [rows, V] float32 logits alive at once: about 1 GiB (2**28 floats)
         self.loss_chunk_rows = max(256, 2 ** 28 // max(1, dcfg.vocab_size))
-        if attention not in ("auto", "dense", "structured"):
-            raise ValueError(f"attention: must be auto, dense or structured, got {attention!r}")
-        self.attention = attention if attention != "auto" else ("dense" if self.device.type == "cuda"
+        if attention not in ("auto", "flex", "dense", "structured"):
+            raise ValueError(f"attention: must be auto, flex, dense or structured, got {attention!r}")
+        self.attention = attention if attention != "auto" else ("flex" if self.device.type == "cuda"
                                                                 else "structured")
         self.keep_last = keep_last
         self.target_dir = Path(target_dir)
@@ -150,7 +170,7 @@ class Trainer:
         no_decay = [p for p in self.params if p.dim() < 2]
         self.optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr)
+            lr=cfg.lr, **({"fused": True} if self.device.type == "cuda" else {}))
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.warmup_steps, self.total_steps, cfg.min_lr_ratio))
         self.weights = loss_weights(cfg.block_size, cfg.resolved_gamma()).to(self.device)
@@ -186,29 +206,52 @@ class Trainer:
 
     def _forward_backward(self, batch: dict[str, torch.Tensor], batch_ids: list[int],
                           backward: bool = True) -> torch.Tensor:
-        """Forward (+ backward) of one micro-batch; returns its local statistics vector (``_reset_window``)."""
-        t = check_batch(batch, self.dcfg)
+        """Forward (+ backward) of one micro-batch; returns its local statistics vector (``_reset_window``).
+
+        Host work is kept out of the device's way: the batch is checked on the host copies of its small
+        fields, anchors, blocks, labels and the attention mask are built on the device, and the only
+        synchronisation is the anchor count (``sample_anchors``); the statistics stay on the device until
+        the optimizer step reads them.
+        """
+        t = check_batch(batch, self.dcfg, self.cfg.label_source)
         b = self.cfg.block_size
-        hidden = batch["hidden"].to(self.device)
-        ids = batch["input_ids"].to(self.device)
-        lm_cpu = batch["loss_mask"].detach().cpu()
+        dev = self.device
+        hidden = to_device(batch["hidden"], dev)
+        ids = to_device(batch["input_ids"], dev)
+        lm = to_device(batch["loss_mask"], dev)
         cu_cpu = batch["cu_seqlens"].detach().cpu().long()
+        extra = {k: to_device(batch[k], dev) for k in TARGET_LABEL_KEYS if k in batch}
+        next_ids = extra.get("target_ids") if self.cfg.label_source == "target" else None
         gen = torch.Generator().manual_seed(anchor_seed(self.cfg.seed, batch_ids))
-        anchors = sample_anchors(lm_cpu, cu_cpu, self.cfg.num_anchors, b, gen)
+        anchors = sample_anchors(lm, cu_cpu, self.cfg.num_anchors, b, gen)
         stats = torch.zeros_like(self._stats)
         stats[4] = t
-        dense = self.attention == "dense"
-        for s0, s1 in split_sequences(cu_cpu, anchors, b, self.max_mask_elems, dense=dense):
-            lo, hi = int(cu_cpu[s0]), int(cu_cpu[s1])
-            a_g = anchors[(anchors >= lo) & (anchors < hi)] - lo
+        if self.attention == "flex":
+            groups = [(0, cu_cpu.numel() - 1, anchors)]
+        else:
+            groups = []
+            anchors_cpu = anchors.cpu()
+            for s0, s1 in split_sequences(cu_cpu, anchors_cpu, b, self.max_mask_elems, dense=self.attention == "dense"):
+                lo, hi = int(cu_cpu[s0]), int(cu_cpu[s1])
+                groups.append((s0, s1, anchors_cpu[(anchors_cpu >= lo) & (anchors_cpu < hi)].to(dev)))
+        for s0, s1, a_g in groups:
             if a_g.numel() == 0:
                 continue
+            lo, hi = int(cu_cpu[s0]), int(cu_cpu[s1])
             cu_g = cu_cpu[s0:s1 + 1] - lo
-            bb = build_block_batch(ids[lo:hi], lm_cpu[lo:hi], cu_g, a_g, b, self.dcfg.mask_token_id)
-            if dense:
-                mask, form = build_attention_mask(bb.anchors, cu_g, b), None
+            bb = build_block_batch(ids[lo:hi], lm[lo:hi], cu_g, a_g - lo, b, self.dcfg.mask_token_id,
+                                   next_token_ids=None if next_ids is None else next_ids[lo:hi], check=False)
+            if self.attention == "flex":
+                mask, form = build_flex_mask(bb.anchors, bb.seq_start, hi - lo, b), None
+            elif self.attention == "dense":
+                mask, form = build_attention_mask(bb.anchors, cu_g.to(dev), b), None
             else:
-                mask, form = build_context_mask(bb.anchors, cu_g, b), b
+                mask, form = build_context_mask(bb.anchors, cu_g.to(dev), b), b
+            distill = {}
+            if self.cfg.distill_topk and "target_topk_ids" in extra:
+                src = (bb.label_pos - 1).clamp(min=0) + lo  # the position whose next token slot k predicts
+                distill = dict(topk_ids=extra["target_topk_ids"][src], topk_logprobs=extra["target_topk_logprobs"][src],
+                               distill_weight=self.cfg.distill_weight)
             with self.autocast:
                 h = self.model(bb.block_input_ids, bb.block_positions, hidden[lo:hi], bb.ctx_positions, mask,
                                block_size=form)
@@ -216,17 +259,15 @@ class Trainer:
                 # h.backward() carries that gradient through the drafter once
                 h_leaf = h.detach().requires_grad_(True) if backward else h
                 out = block_loss(self.model.logits, h_leaf, bb.labels, self.weights,
-                                 chunk_rows=self.loss_chunk_rows, backward=backward)
-            if not torch.isfinite(out.weighted_ce).item():
-                stats[5] = 1.0
-                logger.warning("nonfinite_loss rank=%d batch_ids=%s sequences=%d..%d", self.rank, batch_ids, s0, s1)
-                break
+                                 chunk_rows=self.loss_chunk_rows, backward=backward, **distill)
             if backward and h_leaf.grad is not None:
                 h.backward(h_leaf.grad)
-            stats[0] += out.weighted_ce.detach().double()
+            finite = torch.isfinite(out.weighted_ce.detach())
+            stats[0] += torch.where(finite, out.weighted_ce.detach(), 0.0).double()
             stats[1] += out.weight_sum.double()
             stats[2] += out.accept_sum.double()
             stats[3] += out.num_blocks
+            stats[5] += (~finite).double()
             stats[6:6 + b] += out.correct.double()
             stats[6 + b:] += out.counted.double()
         return stats

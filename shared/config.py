@@ -20,6 +20,7 @@ from shared.errors import ConfigError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET = REPO_ROOT / "assets" / "tiny-code-lm"
 DEFAULT_DATA_DIR = REPO_ROOT / "data" / "demo"
+LABEL_SOURCES = ("data", "target")
 
 
 def _require(cond: bool, field_name: str, msg: str) -> None:
@@ -127,6 +128,9 @@ class TrainerConfig:
     gamma: float | None = None         # loss decay; None = 7 for B=16, 5 for B=10, 4 for B=8, else B/2.3
     num_draft_layers: int | None = None  # None = number of captured target layers
     mask_token_id: int | None = None   # None = tokenizer's mask token, else its pad token
+    label_source: str = "data"         # data = the corpus's next tokens; target = the target's greedy next tokens
+    distill_topk: int = 0              # > 0: the producer also sends the target's top-K log-probs; KL added to the loss
+    distill_weight: float = 1.0        # weight of that KL term
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -150,6 +154,12 @@ class TrainerConfig:
         _require(self.num_draft_layers is None or self.num_draft_layers >= 1, "num_draft_layers",
                  f"must be >= 1, got {self.num_draft_layers}")
         _require(self.lr > 0, "lr", f"must be > 0, got {self.lr}")
+        _require(self.label_source in LABEL_SOURCES, "label_source",
+                 f"must be one of {', '.join(LABEL_SOURCES)}, got {self.label_source!r}")
+        _require(0 <= self.distill_topk <= 1024, "distill_topk", f"must be in 0..1024, got {self.distill_topk}")
+        _require(self.distill_topk == 0 or self.label_source == "target", "distill_topk",
+                 "needs label_source=target (the producer computes the target's distribution only then)")
+        _require(self.distill_weight >= 0, "distill_weight", f"must be >= 0, got {self.distill_weight}")
         _require(self.grad_accum >= 1, "grad_accum", f"must be >= 1, got {self.grad_accum}")
         _require(self.max_steps >= 1, "max_steps", f"must be >= 1, got {self.max_steps}")
         _require(self.epochs is None or self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")

@@ -1,5 +1,6 @@
 """The structured DFlash attention (context mask + own block) equals dense attention under the full mask."""
 
+import pytest
 import torch
 
 from consumer.blocks import build_attention_mask, build_block_batch, build_context_mask, sample_anchors
@@ -66,3 +67,78 @@ def test_chunked_loss_backward_equals_one_shot():
     assert torch.allclose(one.weighted_ce.detach(), chunked.weighted_ce)
     assert torch.allclose(h1.grad, h2.grad)
     assert torch.equal(one.correct, chunked.correct) and torch.equal(one.accept_sum, chunked.accept_sum)
+
+
+def _flex_case(seed: int, block_size: int, tile: int):
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(3, 60, (int(torch.randint(1, 6, (1,), generator=gen)),), generator=gen)
+    cu = torch.zeros(lens.numel() + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lens, 0)
+    t = int(cu[-1])
+    lm = (torch.rand(t, generator=gen) < 0.85).to(torch.uint8)
+    ids = torch.randint(4, 50, (t,), generator=gen)
+    anchors = sample_anchors(lm, cu, 7, block_size, gen)
+    return ids, lm, cu, anchors
+
+
+@pytest.mark.parametrize("seed,block_size,tile", [(0, 4, 16), (1, 4, 8), (2, 3, 16), (3, 8, 16), (4, 5, 8)])
+def test_flex_mask_equals_the_dense_mask_and_its_tiles_cover_it(seed, block_size, tile):
+    """The mask function reproduces build_attention_mask on the real rows/columns; every allowed element lies
+    in a listed tile; every tile listed as full is allowed everywhere on the real rows."""
+    from consumer.blocks import build_flex_mask
+    ids, lm, cu, anchors = _flex_case(seed, block_size, tile)
+    if anchors.numel() == 0:
+        pytest.skip("no anchors drawn")
+    bb = build_block_batch(ids, lm, cu, anchors, block_size, 3)
+    fm = build_flex_mask(bb.anchors, bb.seq_start, int(cu[-1]), block_size, tile=tile)
+    t, q = int(cu[-1]), anchors.numel() * block_size
+    assert fm.q_len % tile == 0 and fm.ctx_len % tile == 0 and fm.q_len >= q and fm.ctx_len >= t
+    qi = torch.arange(fm.q_len)[:, None]
+    ki = torch.arange(fm.ctx_len + fm.q_len)[None, :]
+    dense = fm.block_mask.mask_mod(0, 0, qi, ki)
+    want = build_attention_mask(bb.anchors, cu, block_size)
+    real_cols = torch.cat([torch.arange(t), fm.ctx_len + torch.arange(q)])
+    assert torch.equal(dense[:q][:, real_cols], want)
+    pad_cols = torch.ones(fm.ctx_len + fm.q_len, dtype=torch.bool)
+    pad_cols[real_cols] = False
+    assert not dense[:q][:, pad_cols].any()
+    assert dense.any(dim=1).all(), "every row (padding too) sees at least its own block"
+    bm = fm.block_mask
+    nk = (fm.ctx_len + fm.q_len) // tile
+    for i in range(fm.q_len // tile):
+        listed = torch.zeros(nk, dtype=torch.bool)
+        listed[bm.kv_indices[0, 0, i, :int(bm.kv_num_blocks[0, 0, i])].long()] = True
+        full = bm.full_kv_indices[0, 0, i, :int(bm.full_kv_num_blocks[0, 0, i])].long()
+        assert not listed[full].any(), "a tile is both partial and full"
+        rows = dense[i * tile:(i + 1) * tile]
+        for j in range(nk):
+            cols = rows[:, j * tile:(j + 1) * tile]
+            if j in full.tolist():
+                real = min(tile, q - i * tile)
+                assert cols[:real].all(), f"tile ({i},{j}) listed full but not all allowed"
+            elif not listed[j]:
+                assert not cols.any(), f"tile ({i},{j}) holds allowed elements but is not listed"
+
+
+def test_drafter_flex_forward_equals_dense_forward():
+    """Forward only: flex attention has no CPU backward (benchmarks/trainer.py --check compares gradients on
+    CUDA)."""
+    from consumer.blocks import build_flex_mask
+    torch.manual_seed(3)
+    cfg = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=50,
+                       max_position_embeddings=256, target_layer_ids=[0, 1], num_target_layers=2, block_size=4,
+                       mask_token_id=3, target_model_type="qwen3", tie_word_embeddings=True)
+    model = DFlashDrafter(cfg).double()
+    model.load_frozen(torch.randn(50, 32, dtype=torch.float64), None)
+    ids, lm, cu, anchors = _flex_case(5, 4, 16)
+    t = int(cu[-1])
+    bb = build_block_batch(ids, lm, cu, anchors, 4, 3)
+    hidden = torch.randn(t, 64, dtype=torch.float64)
+    fm = build_flex_mask(bb.anchors, bb.seq_start, t, 4, tile=16)
+    with torch.no_grad():
+        dense = model(bb.block_input_ids, bb.block_positions, hidden, bb.ctx_positions,
+                      build_attention_mask(bb.anchors, cu, 4))
+        flex = model(bb.block_input_ids, bb.block_positions, hidden, bb.ctx_positions, fm)
+    assert flex.shape == dense.shape
+    assert torch.allclose(dense, flex, atol=1e-9)
