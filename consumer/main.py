@@ -24,7 +24,7 @@ from datetime import timedelta
 import torch
 
 from shared import messages as m
-from shared.errors import MessageError, SlotError
+from shared.errors import BadBatch as BadBatchError, MessageError, SlotError
 from shared.layout import read_tensors
 from shared.procs import ChildContext, child_main
 from shared.ring import Ring
@@ -41,10 +41,12 @@ class SlotReader:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def copy_in(self, msg: m.SlotReady) -> dict[str, torch.Tensor]:
+    def copy_in(self, msg: m.SlotReady, check=None) -> dict[str, torch.Tensor]:
         """Verified copy of the slot ``msg`` names; raises ``SlotError``/``MessageError`` naming the problem.
 
-        Returns ``{name: tensor on device}``; when it returns, the slot may be released.
+        ``check(views)``, when given, validates the payload on the host views before anything is copied (it
+        raises to refuse the batch). Returns ``{name: tensor on device}``, except ``cu_seqlens``, which stays a
+        small host tensor (the trainer reads it on the host); when it returns, the slot may be released.
         """
         if not 0 <= msg.producer < len(self.rings):
             raise SlotError(f"SlotReady names producer {msg.producer}; there are {len(self.rings)} rings")
@@ -54,16 +56,20 @@ class SlotReader:
             raise SlotError(f"slot {msg.slot} of producer {msg.producer}: header payload {h.payload_len} B, "
                             f"message {msg.payload_bytes} B")
         views = read_tensors(ring.payload(msg.slot), msg.descriptor)
+        if check is not None:
+            check(views)
         if self.stream is None:
             return {k: v.clone() for k, v in views.items()}
         with torch.cuda.stream(self.stream):
-            out = {k: v.to(self.device, non_blocking=True) for k, v in views.items()}
+            out = {k: (v.clone() if k == "cu_seqlens" else v.to(self.device, non_blocking=True))
+                   for k, v in views.items()}
             done = torch.cuda.Event()
             done.record(self.stream)
         done.synchronize()  # the copy has landed: the slot may be released, the views dropped
         main = torch.cuda.current_stream(self.device)
         for t in out.values():
-            t.record_stream(main)
+            if t.is_cuda:
+                t.record_stream(main)
         return out
 
 
@@ -125,6 +131,8 @@ def body(ctx: ChildContext) -> None:
 
 
 def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=None) -> None:
+    from consumer.trainer import check_batch
+
     cfg = ctx.config
     hb_every = cfg.monitor.heartbeat_interval_s
     next_hb = 0.0
@@ -180,15 +188,15 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
             log.warning("reject kind=%s reason=unexpected_for_consumer", msg.KIND)
             continue
         try:
-            batch = reader.copy_in(msg)
-        except (SlotError, MessageError) as e:
+            batch = reader.copy_in(msg, check=lambda views: check_batch(views, trainer.dcfg, cfg.trainer.label_source))
+        except (SlotError, MessageError, BadBatchError) as e:
             log.error("bad_slot producer=%d slot=%d batch=%d error=%s", msg.producer, msg.slot, msg.batch_id, e)
             ctx.send(m.BadBatch(producer=msg.producer, generation=msg.generation, slot=msg.slot,
                                 batch_id=msg.batch_id, reason=str(e)[:500]))
             continue
         ctx.send(m.SlotReleased(producer=msg.producer, generation=msg.generation, slot=msg.slot,
                                 batch_id=msg.batch_id))
-        result = trainer.step(batch, [msg.batch_id])
+        result = trainer.step(batch, [msg.batch_id], checked=True)
         del batch
         tokens += int(msg.num_tokens)
         if result["optimizer_step"]:

@@ -205,7 +205,7 @@ class Trainer:
         self._window_t0: float | None = None
 
     def _forward_backward(self, batch: dict[str, torch.Tensor], batch_ids: list[int],
-                          backward: bool = True) -> torch.Tensor:
+                          backward: bool = True, checked: bool = False) -> torch.Tensor:
         """Forward (+ backward) of one micro-batch; returns its local statistics vector (``_reset_window``).
 
         Host work is kept out of the device's way: the batch is checked on the host copies of its small
@@ -213,7 +213,7 @@ class Trainer:
         synchronisation is the anchor count (``sample_anchors``); the statistics stay on the device until
         the optimizer step reads them.
         """
-        t = check_batch(batch, self.dcfg, self.cfg.label_source)
+        t = batch["input_ids"].shape[0] if checked else check_batch(batch, self.dcfg, self.cfg.label_source)
         b = self.cfg.block_size
         dev = self.device
         hidden = to_device(batch["hidden"], dev)
@@ -273,9 +273,13 @@ class Trainer:
         return stats
 
     # ------------------------------------------------------------------ public step
-    def step(self, batch: dict[str, torch.Tensor], batch_ids: list[int]) -> dict[str, Any]:
+    def step(self, batch: dict[str, torch.Tensor], batch_ids: list[int], checked: bool = False) -> dict[str, Any]:
         """Train on one packed micro-batch (``hidden [T, n*H]``, ``input_ids [T] int32``, ``loss_mask [T]
-        uint8``, ``cu_seqlens [S+1] int32``) identified by ``batch_ids``.
+        uint8``, ``cu_seqlens [S+1] int32``; with ``label_source="target"`` also ``target_ids [T] int32`` and,
+        with ``distill_topk``, ``target_topk_ids``/``target_topk_logprobs [T, K]``; see
+        ``shared.layout.slot_payload_specs``) identified by ``batch_ids``. Tensors may be on the host or the
+        device; ``checked=True`` says ``check_batch`` already passed (the consumer runs it on the slot's host
+        views before the copy).
 
         Every ``grad_accum``-th call takes the optimizer step (all ranks must call ``step`` the same
         number of times) and returns the window's group-wide metrics with ``optimizer_step=True`` and
@@ -288,7 +292,7 @@ class Trainer:
         if self._window_t0 is None:
             self._window_t0 = time.perf_counter()
         ids = [int(x) for x in batch_ids]
-        local = self._forward_backward(batch, ids)
+        local = self._forward_backward(batch, ids, checked=checked)
         self._stats += local
         self._window_ids += ids
         self.micro_step += 1
@@ -495,13 +499,14 @@ class Trainer:
 
 @torch.no_grad()
 def make_batch_in_process(target_model, sequences: list[tuple[torch.Tensor, torch.Tensor]],
-                          target_layer_ids: list[int]) -> dict[str, torch.Tensor]:
+                          target_layer_ids: list[int], target_ids: bool = False) -> dict[str, torch.Tensor]:
     """A packed batch computed in this process (tests, demos; the producer does this in production).
 
     ``target_model``: a Hugging Face causal LM; ``sequences``: ``(input_ids [L], loss_mask [L])`` pairs.
     Returns ``hidden [T, n*H]`` (model dtype; layer id ``i`` = ``hidden_states[i + 1]``), ``input_ids
-    [T] int32``, ``loss_mask [T] uint8``, ``cu_seqlens [S+1] int32``. Sequences are right-padded into one
-    forward (a causal model's real positions do not see the padding).
+    [T] int32``, ``loss_mask [T] uint8``, ``cu_seqlens [S+1] int32`` and, with ``target_ids=True``,
+    ``target_ids [T] int32`` (argmax of the logits). Sequences are right-padded into one forward (a causal
+    model's real positions do not see the padding).
     """
     dev = next(target_model.parameters()).device
     lens = [int(s[0].numel()) for s in sequences]
@@ -515,9 +520,13 @@ def make_batch_in_process(target_model, sequences: list[tuple[torch.Tensor, torc
     hidden = torch.cat([feats[i, :lens[i]] for i in range(len(sequences))])
     cu = torch.zeros(len(sequences) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    return {
+    out_batch = {
         "hidden": hidden.contiguous(),
         "input_ids": torch.cat([s[0] for s in sequences]).to(torch.int32),
         "loss_mask": torch.cat([s[1] for s in sequences]).to(torch.uint8),
         "cu_seqlens": cu,
     }
+    if target_ids:
+        greedy = out.logits.argmax(-1)
+        out_batch["target_ids"] = torch.cat([greedy[i, :lens[i]] for i in range(len(sequences))]).to(torch.int32).cpu()
+    return out_batch

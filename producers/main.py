@@ -186,7 +186,8 @@ def body(ctx: ChildContext) -> None:
         except ImportError:
             pass
         producer = Producer.from_config(cfg.producer, ctx.index, ring, ctx.generation,
-                                        checksum=cfg.ring.checksum, slow_write_s=slow_write_s)
+                                        checksum=cfg.ring.checksum, slow_write_s=slow_write_s,
+                                        label_source=cfg.trainer.label_source, topk=cfg.trainer.distill_topk)
         pad_id = pick_pad_id(ds, producer.hf_config)
         log.info("serving ring=%s slots=%d slot_bytes=%d pinned=%s data=%s samples=%d pad_id=%d",
                  ring.name, ring.num_slots, ring.slot_bytes, ring.pinned, cfg.data.data, len(ds), pad_id)

@@ -3,23 +3,14 @@
 ``Producer`` holds no socket and starts no process; ``producers/main.py`` wraps it in the DEALER loop. A
 test steps it in-process with ``run_batch(batch, slot, seq)``, which returns the message to send.
 
-Slot payload (``shared.layout`` tensors, in this order, each at a 64-byte aligned offset; the exact
-offsets, dtypes and shapes travel as ``SlotReady.descriptor``). Only real tokens are stored: padding is
-dropped, and the ``B`` sequences of the batch are packed back to back in the order of the lease's
-``sample_ids``. ``T`` = number of real tokens, ``n`` = number of captured layers, ``H`` = hidden size.
-
-====================  ==================  =========================================================================
-name                  dtype / shape       meaning
-====================  ==================  =========================================================================
-``hidden``            target dtype        row ``t`` is packed token ``t``; columns ``[k*H, (k+1)*H)`` hold the output
-                      ``[T, n*H]``        of layer ``layer_ids[k]`` (= HF ``hidden_states[layer_ids[k] + 1]``).
-                                          bfloat16 on CUDA and float32 on CPU unless ``producer.dtype`` says else
-``input_ids``         int32 ``[T]``       the tokens
-``loss_mask``         uint8 ``[T]``       1 where the token counts for the loss (from the dataset)
-``cu_seqlens``        int32 ``[B+1]``     sequence ``b`` is rows ``cu_seqlens[b]:cu_seqlens[b+1]``; ``[0]=0, [B]=T``
-``batch_id``          int64 ``[1]``       the batch id (also in the slot header and the message)
-``layer_ids``         int32 ``[n]``       the captured layer ids, in column-block order
-====================  ==================  =========================================================================
+Slot payload: ``shared.layout.slot_payload_specs`` declares it (names, dtypes, shapes, in write order); each
+tensor starts at a 64-byte aligned offset and the exact offsets, dtypes and shapes travel as
+``SlotReady.descriptor``. Only real tokens are stored: padding is dropped, and the ``B`` sequences of the batch
+are packed back to back in the order of the lease's ``sample_ids``. ``hidden`` is in the target's dtype
+(bfloat16 on CUDA and float32 on CPU unless ``producer.dtype`` says else); column block ``k`` holds layer
+``layer_ids[k]`` (= HF ``hidden_states[layer_ids[k] + 1]``). With ``label_source="target"`` the forward runs to
+the final layer and the slot also carries the target's greedy next token of every position (and, with
+``topk``, its top-K log-probabilities).
 
 What is guaranteed:
 
@@ -55,8 +46,8 @@ from shared import layout, messages
 from shared.config import ProducerConfig
 from shared.errors import ConfigError, PayloadTooLarge
 from shared.ring import Ring
-from producers.target import (LayerCapture, StopForward, base_model, check_checkpoint, hidden_size,
-                              load_target, num_decoder_layers, resolve_device, resolve_layer_ids)
+from producers.target import (LayerCapture, StopForward, base_model, check_checkpoint, greedy_next_tokens,
+                              hidden_size, load_target, num_decoder_layers, resolve_device, resolve_layer_ids)
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +92,7 @@ class Pending:
     event: object = None        # torch.cuda.Event recorded after the copy (None on CPU)
     finite: torch.Tensor | None = None   # 0-d bool on the host once the event has completed
     keep: list = field(default_factory=list)  # device tensors the copy reads; dropped after the event
+    keep_extra: list = field(default_factory=list)  # the target's labels (label_source=target), also copied
     wrote_slot: bool = False
 
 
@@ -118,13 +110,19 @@ class Producer:
         inject_nonfinite: batch ids whose hidden states get a NaN (tests; see the module docstring).
         slow_write_s: sleep this long between writing a payload and publishing it (chaos tests).
         stop_early: skip the layers above the deepest captured one (``StopForward``); same results.
+            Ignored with ``label_source="target"``, which needs the whole forward.
+        label_source: ``"data"`` (slots carry the hidden states and tokens) or ``"target"`` (they also
+            carry ``target_ids``, the target's greedy next token after every position: final norm, LM head,
+            argmax; ``producers.target.greedy_next_tokens``).
+        topk: with ``label_source="target"``, also the target's ``topk`` most likely next tokens and their
+            log-probabilities (``target_topk_ids``/``target_topk_logprobs``), for distillation.
 
     Not thread-safe. Raises ``ConfigError`` for bad layer ids.
     """
 
     def __init__(self, model, layer_ids, ring: Ring, generation: int, device, *, index: int = 0,
                  checksum: bool = False, inject_nonfinite: Iterable[int] = (), slow_write_s: float = 0.0,
-                 stop_early: bool = True):
+                 stop_early: bool = True, label_source: str = "data", topk: int = 0):
         self.model = model
         self.base = base_model(model)
         self.device = torch.device(device)
@@ -138,9 +136,16 @@ class Producer:
         self.layer_ids = resolve_layer_ids(self.num_layers, list(layer_ids), len(list(layer_ids)))
         self.hidden_size = hidden_size(model)
         self.dtype = next(model.parameters()).dtype
-        self.capture = LayerCapture(model, self.layer_ids, stop_after_last=stop_early)
+        self.label_source, self.topk = label_source, int(topk) if label_source == "target" else 0
+        target_labels = label_source == "target"
+        self.capture = LayerCapture(model, self.layer_ids, stop_after_last=stop_early and not target_labels,
+                                    final_output=target_labels)
+        self.lm_head = model.get_output_embeddings() if target_labels else None
+        if target_labels and self.lm_head is None:
+            raise ConfigError(f"label_source=target: {type(model).__name__} has no LM head (get_output_embeddings)")
         self.stats = ProducerStats()
         self.current_batch = -1
+        self.normed: torch.Tensor | None = None  # final norm output of the last forward (label_source=target)
         self.hf_config = getattr(model, "config", None)
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device=self.device) if self._cuda else None
@@ -148,7 +153,7 @@ class Producer:
     @classmethod
     def from_config(cls, cfg: ProducerConfig, index: int, ring: Ring, generation: int, *,
                     checksum: bool = False, inject_nonfinite: Iterable[int] | None = None,
-                    slow_write_s: float = 0.0) -> "Producer":
+                    slow_write_s: float = 0.0, label_source: str = "data", topk: int = 0) -> "Producer":
         """Load ``cfg.target`` on ``cfg.devices[index]`` and build a producer for it.
 
         ``inject_nonfinite`` defaults to ``$SPECRING_INJECT_NONFINITE``. Raises ``ConfigError`` for a bad
@@ -169,7 +174,8 @@ class Producer:
             log.warning("fault injection: non-finite hidden states for batches %s", sorted(inject_nonfinite))
         dev = next(model.parameters()).device
         prod = cls(model, ids, ring, generation, dev, index=index, checksum=checksum,
-                   inject_nonfinite=inject_nonfinite, slow_write_s=slow_write_s)
+                   inject_nonfinite=inject_nonfinite, slow_write_s=slow_write_s, label_source=label_source,
+                   topk=topk)
         prod.hf_config = hf_config
         log.info("producer ready index=%d device=%s layer_ids=%s dtype=%s", index, dev, ids, prod.dtype)
         return prod
@@ -180,10 +186,8 @@ class Producer:
         return layout.payload_bytes(self._specs(num_tokens, batch_size))
 
     def _specs(self, t: int, b: int) -> dict:
-        n = len(self.layer_ids)
-        return {"hidden": (self.dtype, (t, n * self.hidden_size)), "input_ids": (torch.int32, (t,)),
-                "loss_mask": (torch.uint8, (t,)), "cu_seqlens": (torch.int32, (b + 1,)),
-                "batch_id": (torch.int64, (1,)), "layer_ids": (torch.int32, (n,))}
+        return layout.slot_payload_specs(t, b, len(self.layer_ids), self.hidden_size, self.dtype,
+                                         self.label_source, self.topk)
 
     # ------------------------------------------------------------------------------------------ forward
     @staticmethod
@@ -238,6 +242,7 @@ class Producer:
                 except StopForward:
                     pass
                 parts = self.capture.outputs()
+                self.normed = self.capture.final_output() if self.lm_head is not None else None
             self.capture.clear()
             self.capture.token_index = None
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -295,6 +300,14 @@ class Producer:
             "batch_id": torch.tensor([bid], dtype=torch.int64),
             "layer_ids": torch.tensor(self.layer_ids, dtype=torch.int32),
         }
+        if self.lm_head is not None:
+            with torch.inference_mode():
+                next_ids, tk_ids, tk_lp = greedy_next_tokens(self.normed, self.lm_head, self.topk)
+            self.normed = None
+            host["target_ids"] = next_ids
+            if self.topk:
+                host["target_topk_ids"], host["target_topk_logprobs"] = tk_ids, tk_lp
+            pending.keep_extra = [t for t in (next_ids, tk_ids, tk_lp) if t is not None]
         buf = self.ring.begin_write(pending.slot, bid, self.generation, pending.seq)
         pending.wrote_slot = True
         if self._cuda:
@@ -308,7 +321,9 @@ class Producer:
                 pending.finite.copy_(finite, non_blocking=True)
                 pending.event = torch.cuda.Event()
                 pending.event.record(copy_stream)
-            pending.keep = [hidden, finite]  # alive until the event has completed
+            for t in pending.keep_extra:
+                t.record_stream(copy_stream)
+            pending.keep = [hidden, finite, *pending.keep_extra]  # alive until the event has completed
         else:
             pending.descriptor, pending.payload_bytes = layout.write_tensors(buf, host)
             pending.finite = finite

@@ -300,15 +300,22 @@ class LayerCapture:
     without a recognisable final norm.
     """
 
-    def __init__(self, model: nn.Module, layer_ids: Sequence[int], stop_after_last: bool = False):
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], stop_after_last: bool = False,
+                 final_output: bool = False):
         self.layers = decoder_layers(model)
         self.layer_ids = resolve_layer_ids(len(self.layers), list(layer_ids), len(layer_ids))
+        if stop_after_last and final_output:
+            raise ValueError("LayerCapture: final_output needs the whole forward (stop_after_last=False)")
         self.stop_after_last = stop_after_last
         self.token_index: torch.Tensor | None = None
         self._out: dict[int, torch.Tensor] = {}
         self._handles: list = []
         last = len(self.layers) - 1
         self._modules: dict[int, nn.Module] = {}
+        self._final_norm = final_norm(model) if final_output else None
+        if final_output and self._final_norm is None:
+            raise ConfigError(f"the target's own next tokens need its final norm, and {type(model).__name__} "
+                              "has none that specring recognises")
         for i in self.layer_ids:
             if i == last:
                 norm = final_norm(model)
@@ -335,6 +342,8 @@ class LayerCapture:
         for i, mod in self._modules.items():
             stop = self.stop_after_last and i == deepest
             self._handles.append(mod.register_forward_hook(self._hook(i, stop)))
+        if self._final_norm is not None:
+            self._handles.append(self._final_norm.register_forward_hook(self._hook(FINAL, False)))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -349,6 +358,46 @@ class LayerCapture:
             raise RuntimeError(f"layer ids {missing} were not captured (did the forward run?)")
         return [self._out[i] for i in self.layer_ids]
 
+    def final_output(self) -> torch.Tensor:
+        """The final norm's output (``[B, S, H]`` or ``[T, H]``, the input of the LM head), captured when
+        the capture was built with ``final_output=True``; raises ``RuntimeError`` otherwise."""
+        if FINAL not in self._out:
+            raise RuntimeError("the final norm's output was not captured (final_output=False, or no forward)")
+        return self._out[FINAL]
+
     def clear(self) -> None:
         """Drop references to the captured tensors."""
         self._out.clear()
+
+
+FINAL = -1  # LayerCapture's key for the final norm's output
+
+
+@torch.no_grad()
+def greedy_next_tokens(normed: torch.Tensor, lm_head: nn.Module, topk: int = 0,
+                       max_logit_elems: int = 2 ** 28) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The target's own next-token choices for every position: the labels of ``label_source=target``.
+
+    ``normed [T, H]``: the final norm's output (``LayerCapture.final_output``); ``lm_head``: the target's
+    output embedding (``model.get_output_embeddings()``). Returns ``(next_ids [T] int32, topk_ids [T, K]
+    int32 | None, topk_logprobs [T, K] float32 | None)``: the argmax of the logits (greedy decoding's choice)
+    and, with ``topk > 0``, the ``K`` most likely tokens with their log-probabilities (log-softmax over the
+    whole vocabulary, in float32). The logits are computed about ``max_logit_elems`` at a time (a 152k
+    vocabulary would otherwise need gigabytes for a large batch). Models that post-process logits (soft
+    capping) keep the argmax; their top-K log-probabilities are those of the raw head.
+    """
+    t = normed.shape[0]
+    vocab = int(lm_head.weight.shape[0])
+    step = max(1, max_logit_elems // max(1, vocab))
+    ids = torch.empty(t, dtype=torch.int32, device=normed.device)
+    tk_ids = torch.empty(t, topk, dtype=torch.int32, device=normed.device) if topk else None
+    tk_lp = torch.empty(t, topk, dtype=torch.float32, device=normed.device) if topk else None
+    for i in range(0, t, step):
+        logits = lm_head(normed[i:i + step])
+        ids[i:i + step] = logits.argmax(-1).to(torch.int32)
+        if topk:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            v, k = lp.topk(topk, dim=-1)
+            tk_ids[i:i + step] = k.to(torch.int32)
+            tk_lp[i:i + step] = v
+    return ids, tk_ids, tk_lp

@@ -47,6 +47,10 @@ FLAGS = {
     "block_size": ("trainer", "block_size", int, "DFlash block size B"),
     "num_anchors": ("trainer", "num_anchors", int, "anchors per sequence"),
     "num_draft_layers": ("trainer", "num_draft_layers", int, "drafter layers (default: number of captured layers; 2 on CPU)"),
+    "label_source": ("trainer", "label_source", str, "what the drafter learns: data (the corpus's next tokens) or "
+                     "target (the target's own greedy next tokens, computed by the producers)"),
+    "distill_topk": ("trainer", "distill_topk", int, "with --label-source target: also send the target's top-K "
+                     "log-probabilities and add the KL divergence to them to the loss (0: off)"),
     "lr": ("trainer", "lr", float, "peak learning rate"),
     "warmup_steps": ("trainer", "warmup_steps", int, "learning-rate warm-up steps"),
     "grad_accum": ("trainer", "grad_accum", int, "micro-batches per optimizer step"),

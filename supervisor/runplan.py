@@ -20,7 +20,7 @@ import torch
 
 from shared.config import REPO_ROOT, RunConfig
 from shared.errors import ConfigError
-from shared.layout import ALIGN
+from shared import layout
 from shared.ring import PAGE, segment_bytes, shm_free_bytes
 from supervisor.coordinator import BatchInfo
 
@@ -94,11 +94,12 @@ def target_shape(target: str) -> dict:
     return d
 
 
-def slot_bytes_for(max_real_tokens: int, max_batch_size: int, num_layers: int, hidden: int, esize: int) -> int:
-    """Bytes of the largest payload: hidden ``[T, n·H]``, input_ids ``[T]`` int32, loss_mask ``[T]`` uint8,
-    cu_seqlens ``[B+1]`` int32, each tensor 64-byte aligned; rounded up to 4 KiB."""
-    t = max_real_tokens
-    need = t * num_layers * hidden * esize + 4 * t + t + 4 * (max_batch_size + 1) + 4 * ALIGN
+def slot_bytes_for(max_real_tokens: int, max_batch_size: int, num_layers: int, hidden: int, dtype: str,
+                   label_source: str = "data", topk: int = 0) -> int:
+    """Bytes of the largest payload (``shared.layout.slot_payload_specs``), rounded up to 4 KiB."""
+    specs = layout.slot_payload_specs(max_real_tokens, max_batch_size, num_layers, hidden, layout.DTYPES[dtype],
+                                      label_source, topk)
+    need = layout.payload_bytes(specs)
     return (need + PAGE - 1) // PAGE * PAGE
 
 
@@ -215,9 +216,10 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     for d in cfg.producer.devices:
         dt = cfg.producer.dtype if cfg.producer.dtype != "auto" else ("bfloat16" if d.startswith("cuda") else "float32")
         dtypes.append(dt)
-    esize = max(DTYPE_BYTES[d] for d in dtypes)
+    widest = max(dtypes, key=lambda d: DTYPE_BYTES[d])
     max_real = max(dc.max_tokens, int(ds.lengths.max()))
-    need_slot = slot_bytes_for(max_real, dc.max_batch_size, len(ids), H, esize)
+    need_slot = slot_bytes_for(max_real, dc.max_batch_size, len(ids), H, widest, cfg.trainer.label_source,
+                               cfg.trainer.distill_topk)
     if cfg.ring.slot_bytes == 0:
         cfg.ring.slot_bytes = need_slot
     elif cfg.ring.slot_bytes < need_slot:

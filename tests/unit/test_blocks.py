@@ -151,3 +151,35 @@ def test_split_sequences_covers_all_and_respects_budget():
         t = int(cu[s1] - cu[s0])
         q = int(((anchors >= cu[s0]) & (anchors < cu[s1])).sum()) * 4
         assert s1 - s0 == 1 or q * (t + q) <= budget
+
+
+def test_target_label_source_takes_the_targets_next_token_of_the_previous_position():
+    ids = torch.tensor([10, 11, 12, 13, 14, 20, 21, 22], dtype=torch.int32)
+    nxt = torch.tensor([31, 32, 33, 34, 35, 41, 42, 43], dtype=torch.int32)  # target's choice after each position
+    lm = torch.tensor([1, 1, 0, 1, 1, 0, 1, 1], dtype=torch.uint8)
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32)
+    data = build_block_batch(ids, lm, cu, torch.tensor([0, 3, 6]), block_size=4, mask_token_id=99)
+    tgt = build_block_batch(ids, lm, cu, torch.tensor([0, 3, 6]), block_size=4, mask_token_id=99, next_token_ids=nxt)
+    assert tgt.labels.tolist() == [
+        [IGNORE, 31, IGNORE, 33],      # slot k of anchor p: the target's token after p+k-1; same slots labelled
+        [IGNORE, 34, IGNORE, IGNORE],
+        [IGNORE, 42, IGNORE, IGNORE],
+    ]
+    assert torch.equal(tgt.labels == IGNORE, data.labels == IGNORE)
+    assert torch.equal(tgt.block_input_ids, data.block_input_ids)
+
+
+def test_block_loss_distillation_term_is_the_kl_to_the_renormalised_topk():
+    labels = torch.tensor([[IGNORE, 1, 2]])
+    logits = torch.tensor([[0.0, 0, 0, 0], [2.0, 1.0, 0.0, -1.0], [0.5, 0.0, 3.0, 0.0]])
+    w = torch.tensor([0.0, 1.0, 0.5])
+    tk_ids = torch.tensor([[[0, 1], [0, 1], [2, 3]]])
+    tk_lp = torch.log(torch.tensor([[[0.5, 0.5], [0.6, 0.2], [0.9, 0.05]]]))
+    plain = block_loss(lambda h: h, logits, labels, w)
+    dist = block_loss(lambda h: h, logits, labels, w, topk_ids=tk_ids, topk_logprobs=tk_lp, distill_weight=2.0)
+    logq = torch.log_softmax(logits, -1)
+    want = 0.0
+    for row, wk in ((1, 1.0), (2, 0.5)):
+        p = torch.softmax(tk_lp[0, row], -1)
+        want += wk * float((p * (p.log() - logq[row, tk_ids[0, row]])).sum())
+    assert dist.weighted_ce.item() == pytest.approx(plain.weighted_ce.item() + 2.0 * want, rel=1e-5)

@@ -259,3 +259,38 @@ def test_slow_write_holds_the_slot_before_publishing(model, slot_ring):
     assert slot_ring.header(0).state == ring.WRITING, "written but not yet published"
     msg = p.complete(pending)
     assert isinstance(msg, messages.SlotReady) and slot_ring.header(0).state == PUBLISHED
+
+
+# ------------------------------------------------------------------------------------------ target labels
+def test_target_labels_equal_the_argmax_of_a_plain_transformers_forward(model, slot_ring):
+    """label_source=target: target_ids[t] is the argmax of the full causal LM's logits at t (each sequence
+    forwarded alone, no padding), and the top-K log-probabilities are the log-softmax of those logits."""
+    seqs = sequences([9, 23, 4], seed=7)
+    batch = make_batch(seqs, pad_to=24, batch_id=7)
+    p = Producer(model, [1, 3], slot_ring, generation=1, device="cpu", label_source="target", topk=4)
+    msg = p.run_batch(batch, slot=0, seq=0)
+    assert isinstance(msg, messages.SlotReady), msg
+    got = read_slot(slot_ring, msg)
+    assert got["target_ids"].dtype == torch.int32 and got["target_topk_logprobs"].shape == (36, 4)
+    with torch.inference_mode():
+        logits = torch.cat([model(input_ids=s[None], use_cache=False).logits[0] for s in seqs]).float()
+    want = logits.argmax(-1)
+    # argmax ties under padding's different reduction order are possible in principle: demand near-total agreement
+    # and exact agreement wherever the top two logits are clearly apart
+    top2 = logits.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 1e-3
+    assert torch.equal(got["target_ids"].long()[clear], want[clear])
+    assert clear.float().mean() > 0.9
+    lp = torch.log_softmax(logits, -1)
+    assert torch.allclose(got["target_topk_logprobs"], lp.topk(4, dim=-1).values, atol=1e-3)
+    assert torch.equal(got["target_topk_ids"][:, 0].long()[clear], want[clear])
+    # the hidden states are unchanged by running the full depth
+    ref = torch.cat([reference(model, s, [1, 3]) for s in seqs])
+    assert torch.allclose(got["hidden"], ref, atol=ATOL, rtol=RTOL)
+    assert msg.payload_bytes == p.payload_bytes(36, 3)
+
+
+def test_data_label_slots_carry_no_target_fields(model, slot_ring):
+    p = Producer(model, [1], slot_ring, generation=1, device="cpu")
+    msg = p.run_batch(make_batch(sequences([5]), pad_to=8, batch_id=1), slot=0, seq=0)
+    assert "target_ids" not in read_slot(slot_ring, msg)

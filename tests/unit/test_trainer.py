@@ -292,3 +292,27 @@ def test_200_steps_on_the_demo_corpus_learn(target, demo, tmp_path):
     assert last < first - 1.0
     assert acc1 > acc0 + 0.02
     assert hist[-1]["step"] == 199 and not any(m["skipped"] for m in hist)
+
+
+def test_target_label_source_trains_on_the_targets_tokens(target, demo, tmp_path):
+    """label_source=target: a batch without target_ids is refused naming the field; with them the drafter
+    learns target_ids, not the data: with a (made-up) target that always says token 7, slot accuracy on
+    those labels goes to 1 while a data-label drafter on the same batches stays near 0 on them."""
+    seqs = windows(demo[0], 24, 40)
+    train = [make_batch_in_process(target, seqs[i:i + 4], LAYERS, target_ids=True) for i in range(0, 24, 4)]
+    for b in train:
+        b["target_ids"] = torch.full_like(b["target_ids"], 7)
+    cfg = TrainerConfig(block_size=4, num_anchors=8, lr=3e-3, warmup_steps=2, max_steps=30, seed=0,
+                        label_source="target")
+    tr = Trainer(cfg, dcfg_for(cfg, layers=1), TARGET, "cpu", tmp_path / "t", write_metrics=False)
+    with pytest.raises(BadBatch, match="target_ids"):
+        tr.step({k: v for k, v in train[0].items() if k != "target_ids"}, [0])
+    hist = [tr.step(train[s % len(train)], [s % len(train)]) for s in range(30)]
+    assert min(hist[-1]["per_slot_acc"]) > 0.95
+    data_cfg = TrainerConfig(**{**cfg.__dict__, "label_source": "data"})
+    td = Trainer(data_cfg, dcfg_for(data_cfg, layers=1), TARGET, "cpu", tmp_path / "d", write_metrics=False)
+    for s in range(30):
+        td.step(train[s % len(train)], [s % len(train)])
+    judge = Trainer(cfg, dcfg_for(cfg, layers=1), TARGET, "cpu", tmp_path / "j", write_metrics=False)
+    judge.model.load_state_dict(td.model.state_dict())
+    assert max(judge.evaluate(train[0], [0])["per_slot_acc"]) < 0.2
