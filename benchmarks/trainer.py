@@ -1,14 +1,38 @@
-"""Drafter training throughput: target tokens per second consumed by ``Trainer.step``.
+"""Drafter training throughput: draft positions per second and model FLOPs utilisation of ``Trainer.step``.
 
-Reports the figure issue 5 asks for (training tokens/s for a Qwen3-8B-shaped target, 5 layers, B = 16,
-512 anchors, sequences of 2,048 tokens); no speed goal is attached to it, so no baseline ratio.
+Each attention form of the trainer (``--attention``, default ``flex dense``) trains on the same packed
+batches in the same run; the first form listed is the one reported, the others are the baselines measured
+beside it (``dense`` is the form CUDA used before flex attention: groups of sequences, a dense ``[Q, C+Q]``
+mask into SDPA). Printed per form: ``positions_per_s`` (draft positions ``A * B`` trained per second),
+``tokens_per_s`` (target tokens), ``tflops`` and ``mfu``, and ``positions_per_s_vs_<baseline>=X``.
 
-Shapes: ``--shape tiny`` (the fixture target) or ``--shape qwen3-8b`` (a Qwen3-8B-shaped target built
-from its config: hidden 4096, 36 layers, vocab 151936; the embedding and LM head are random and written
-to a temporary checkpoint directory, since the trainer reads them from the target's safetensors). The
-packed batch holds ``--seqs`` sequences of ``--seq-len`` tokens with random hidden states of the captured
-layers (``[T, n*H]``, bf16 on GPU).
+Shapes: ``--shape tiny`` (the fixture target: 8.4 M parameters, hidden 256, vocab 8192) or ``--shape qwen3-8b``
+(a Qwen3-8B-shaped drafter: hidden 4096, MLP 12288, 32/8 heads of 128, vocab 151,936; the embedding and LM
+head are random and written to a temporary checkpoint directory, since the trainer reads them from the
+target's safetensors). A batch packs ``--seqs`` sequences of ``--seq-len`` tokens with random hidden states
+of the captured layers (``[T, n*H]``, bf16 on GPU) and random tokens; every position may be an anchor.
 
+Model FLOPs of one step (what ``mfu`` counts; ``P = A*B`` draft positions, ``R = A*(B-1)`` rows through the
+LM head, ``T`` context tokens, ``L`` draft layers, ``H`` hidden, ``I`` MLP width, ``Dq = heads*head_dim``,
+``Dkv = kv_heads*head_dim``, ``n`` captured layers, ``V`` vocabulary, ``K`` = mean attended keys per
+position = mean(anchor - sequence start) + ``B``)::
+
+    per draft layer, forward:  2*P*H*(2*Dq + 2*Dkv + 3*I)      q, k, v, o projections and the SwiGLU MLP
+                               + 2*T*H*2*Dkv                    k, v of the context tokens
+                               + 4*P*K*Dq                       scores and weighted values (attended keys only)
+    fc, forward:               2*T*(n*H)*H
+    LM head, forward:          2*R*H*V
+    step = 3 * L * layer + 2 * fc + 2 * LM head
+
+Backward costs twice the forward for the trainable layers (gradients of inputs and weights), once for
+``fc`` (its input, the target's hidden states, needs no gradient) and once for the frozen LM head (input
+gradient only). ``mfu`` = step FLOPs / step time / ``--peak-tflops`` (default 989.4, the dense bf16 peak of
+an H100/H200 SXM from NVIDIA's datasheet). The optimizer and norms are not counted.
+
+``--check`` (CUDA): before timing, one forward+backward of each form on the same batch and anchors; prints
+the loss and the largest relative gradient difference against the first form (bf16 autocast: expect ~1e-2).
+
+    python benchmarks/trainer.py --device cuda --shape tiny --seqs 8 --seq-len 1024 --num-anchors 512
     python benchmarks/trainer.py --device cuda --shape qwen3-8b --seq-len 2048 --num-anchors 512
 """
 
@@ -24,26 +48,72 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from consumer.blocks import sample_anchors  # noqa: E402
 from consumer.dflash import DFlashConfig  # noqa: E402
-from consumer.trainer import Trainer  # noqa: E402
+from consumer.trainer import Trainer, anchor_seed  # noqa: E402
 from shared.config import DEFAULT_TARGET, TrainerConfig  # noqa: E402
 from benchmarks.random_target import QWEN3_8B, write_random_target  # noqa: E402
 
-def make_batch(dcfg: DFlashConfig, seqs: int, seq_len: int, device, dtype) -> dict[str, torch.Tensor]:
+H200_BF16_DENSE_TFLOPS = 989.4
+
+
+def make_batch(dcfg: DFlashConfig, seqs: int, seq_len: int, device, dtype, seed: int = 1) -> dict[str, torch.Tensor]:
+    """A packed batch of ``seqs`` sequences of ``seq_len`` random tokens with random hidden states."""
     t = seqs * seq_len
     n, h = dcfg.num_target_layers, dcfg.hidden_size
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     return {
         "hidden": torch.randn(t, n * h, generator=g).to(device=device, dtype=dtype),
         "input_ids": torch.randint(4, dcfg.vocab_size, (t,), generator=g, dtype=torch.int32).to(device),
         "loss_mask": torch.ones(t, dtype=torch.uint8, device=device),
-        "cu_seqlens": torch.arange(0, t + 1, seq_len, dtype=torch.int32, device=device),
+        "cu_seqlens": torch.arange(0, t + 1, seq_len, dtype=torch.int32),
     }
+
+
+def step_flops(dcfg: DFlashConfig, batch: dict, num_anchors: int, seed: int, batch_ids: list[int]) -> tuple[float, int]:
+    """Model FLOPs of one step on ``batch`` (module docstring) and its draft positions ``A*B``."""
+    b = dcfg.block_size
+    gen = torch.Generator().manual_seed(anchor_seed(seed, batch_ids))
+    lm, cu = batch["loss_mask"].cpu(), batch["cu_seqlens"].cpu().long()
+    anchors = sample_anchors(lm, cu, num_anchors, b, gen)
+    starts = cu[torch.searchsorted(cu[1:], anchors, right=True)]
+    a = anchors.numel()
+    p, r, t = a * b, a * (b - 1), int(cu[-1])
+    keys = float((anchors - starts).float().mean()) + b if a else 0.0
+    h, i, v = dcfg.hidden_size, dcfg.intermediate_size, dcfg.vocab_size
+    dq, dkv = dcfg.num_attention_heads * dcfg.head_dim, dcfg.num_key_value_heads * dcfg.head_dim
+    layer = 2 * p * h * (2 * dq + 2 * dkv + 3 * i) + 2 * t * h * 2 * dkv + 4 * p * keys * dq
+    fc = 2 * t * dcfg.num_target_layers * h * h
+    head = 2 * r * h * v
+    return 3 * dcfg.num_hidden_layers * layer + 2 * fc + 2 * head, p
 
 
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def build_trainer(attention: str, dcfg, target, device, run_dir, args, compile_layers: bool) -> Trainer:
+    cfg = TrainerConfig(devices=[str(device)], block_size=args.block_size, num_anchors=args.num_anchors,
+                        max_steps=args.steps + args.warmup + 5, warmup_steps=1)
+    return Trainer(cfg, dcfg, target, device, run_dir, write_metrics=False, attention=attention,
+                   compile_layers=compile_layers)
+
+
+def check_forms(trainers: dict[str, Trainer], batch: dict) -> None:
+    """One forward+backward of every form on the same batch and anchors: loss and gradient agreement."""
+    ref_name = next(iter(trainers))
+    grads = {}
+    for name, tr in trainers.items():
+        stats = tr._forward_backward(batch, [123])
+        grads[name] = torch.cat([p.grad.float().flatten() for p in tr.params if p.grad is not None])
+        loss = float(stats[0] / stats[1])
+        tr.optimizer.zero_grad(set_to_none=True)
+        print(f"check form={name} loss={loss:.5f}")
+    for name, g in grads.items():
+        if name != ref_name:
+            rel = float((g - grads[ref_name]).abs().max() / grads[ref_name].abs().max())
+            print(f"check grad_max_rel_diff_{name}_vs_{ref_name}={rel:.2e}")
 
 
 def main(argv=None) -> int:
@@ -57,6 +127,11 @@ def main(argv=None) -> int:
     ap.add_argument("--num-layers", type=int, default=5, help="captured target layers = drafter layers")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--attention", nargs="+", default=["flex", "dense"],
+                    help="forms to measure, the first reported, the others as baselines (flex, dense, structured, "
+                         "flex+compile: flex with the decoder layers under torch.compile)")
+    ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
+    ap.add_argument("--check", action="store_true", help="compare loss and gradients of the forms first")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     tmp = tempfile.TemporaryDirectory()
@@ -67,26 +142,48 @@ def main(argv=None) -> int:
     from producers.target import default_target_layer_ids
     ids = default_target_layer_ids(layers, args.num_layers)
     dcfg = DFlashConfig.from_target(target, ids, args.block_size, mask_token_id=None)
-    cfg = TrainerConfig(devices=[str(device)], block_size=args.block_size, num_anchors=args.num_anchors,
-                        max_steps=args.steps + args.warmup + 5, warmup_steps=1)
-    trainer = Trainer(cfg, dcfg, target, device, tmp.name, write_metrics=False)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    batch = make_batch(dcfg, args.seqs, args.seq_len, device, dtype)
+    batches = [make_batch(dcfg, args.seqs, args.seq_len, device, dtype, seed=s) for s in (1, 2)]
     tokens = args.seqs * args.seq_len
-    for i in range(args.warmup):
-        trainer.step(batch, [i])
-    sync(device)
-    t0 = time.perf_counter()
-    for i in range(args.steps):
-        r = trainer.step(batch, [1000 + i])
-    sync(device)
-    train_s = (time.perf_counter() - t0) / args.steps
-    mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+    flops, positions = step_flops(dcfg, batches[0], args.num_anchors, 0, [1000])
     print(f"shape={args.shape} device={device} layers_captured={ids} draft_layers={dcfg.num_hidden_layers} "
-          f"block_size={args.block_size} anchors={args.num_anchors} seqs={args.seqs} seq_len={args.seq_len}")
-    print(f"train_step_s={train_s:.4f} loss={r['loss']:.3f} peak_gpu_mem_gib={mem:.1f}")
-    print(f"train_tokens_per_s={tokens / train_s:,.0f}")
-    print(f"train_blocks_per_s={r['num_blocks'] / train_s:,.0f}")
+          f"block_size={args.block_size} anchors={args.num_anchors} seqs={args.seqs} seq_len={args.seq_len} "
+          f"positions_per_step={positions} step_tflop={flops / 1e12:.3f}")
+    forms = {}
+    for form in args.attention:
+        attention, _, extra = form.partition("+")
+        forms[form] = build_trainer(attention, dcfg, target, device, tmp.name, args, compile_layers=extra == "compile")
+    if args.check:
+        check_forms(forms, batches[0])
+    rate = {}
+    for name, trainer in forms.items():
+        try:
+            for i in range(args.warmup):
+                trainer.step(batches[i % 2], [i])
+            sync(device)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            for i in range(args.steps):
+                r = trainer.step(batches[i % 2], [1000 + (i % 2)])
+            sync(device)
+        except Exception as e:  # one form failing (e.g. a compile error) must not hide the others
+            print(f"form={name} FAILED {type(e).__name__}: {str(e)[:400]}")
+            continue
+        step_s = (time.perf_counter() - t0) / args.steps
+        mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+        rate[name] = positions / step_s
+        print(f"form={name} train_step_s={step_s:.4f} loss={r['loss']:.3f} peak_gpu_mem_gib={mem:.1f} "
+              f"positions_per_s={positions / step_s:,.0f} tokens_per_s={tokens / step_s:,.0f} "
+              f"tflops={flops / step_s / 1e12:.1f} mfu={flops / step_s / 1e12 / args.peak_tflops:.3f}")
+        del trainer
+        forms[name] = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    first = args.attention[0]
+    for name in args.attention[1:]:
+        if first in rate and name in rate:
+            print(f"positions_per_s_vs_{name}={rate[first] / rate[name]:.2f}")
     return 0
 
 

@@ -363,11 +363,14 @@ def build_flex_mask(anchors: torch.Tensor, seq_start: torch.Tensor, ctx_len: int
         idx = torch.argsort((~m).to(torch.int32), dim=1, stable=True).to(torch.int32)
         return num[None, None].contiguous(), idx[None, None].contiguous()
 
+    ctx_end = torch.full((), t_pad, dtype=torch.long, device=dev)  # a tensor, so a compiled kernel is not
+                                                                     # specialised to one context length
+
     def mask_mod(_b, _h, q_idx, kv_idx):
         blk = q_idx // b
-        is_ctx = kv_idx < t_pad
+        is_ctx = kv_idx < ctx_end
         ctx_ok = is_ctx & (kv_idx >= st[blk]) & (kv_idx < anc[blk])
-        return ctx_ok | (~is_ctx & ((kv_idx - t_pad) // b == blk))
+        return ctx_ok | (~is_ctx & ((kv_idx - ctx_end) // b == blk))
 
     kv_num, kv_idx = ordered(partial)
     full_num, full_idx = ordered(full)

@@ -225,7 +225,7 @@ def flex_attention_fn(compiled: bool):
     if not compiled:
         return flex_attention
     if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention)
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)  # one kernel for every batch shape
     return _COMPILED_FLEX
 
 

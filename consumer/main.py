@@ -119,6 +119,9 @@ def body(ctx: ChildContext) -> None:
             except Exception as e:  # tau during training is optional: training goes on without it
                 log.error("tau_eval_disabled error=%s: %s", type(e).__name__, e)
                 evaluator = None
+        compile_s = trainer.warm_up()  # before Hello: a cold compile is start-up (startup_timeout_s), not a hang
+        if compile_s:
+            log.info("warm_up attention=%s compile=%s seconds=%.1f", trainer.attention, cfg.trainer.compile, compile_s)
         ctx.ready()
         _loop(ctx, trainer, SlotReader(rings, device), rank, evaluator)
     finally:

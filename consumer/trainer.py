@@ -134,14 +134,14 @@ class Trainer:
     ``"structured"`` (groups, context mask + own block, scores computed explicitly, ``Q*(C+B)`` of them:
     the cheapest on CPU) or ``"auto"`` (default: flex on CUDA, structured elsewhere; see
     ``benchmarks/trainer.py`` and docs/performance.md for the measured rates),
-    ``write_metrics`` (rank 0 writes ``metrics.jsonl``), ``keep_last`` (checkpoints kept; None = all).
+    ``write_metrics`` (rank 0 writes ``metrics.jsonl``), ``keep_last`` (checkpoints kept; None = all),
+    ``compile_layers`` (``torch.compile`` each draft layer in place; default ``cfg.compile``).
     """
 
     def __init__(self, cfg: TrainerConfig, dcfg: DFlashConfig, target_dir: str | Path, device: str | torch.device,
                  run_dir: str | Path, rank: int = 0, world_size: int = 1, process_group=None, *,
                  total_steps: int | None = None, max_mask_elems: int = 2 ** 27, attention: str = "auto",
-                 write_metrics: bool = True,
-                 keep_last: int | None = None):
+                 write_metrics: bool = True, keep_last: int | None = None, compile_layers: bool | None = None):
         if dcfg.block_size != cfg.block_size:
             raise ValueError(f"block_size: trainer {cfg.block_size} != drafter config {dcfg.block_size}")
         self.cfg, self.dcfg = cfg, dcfg
@@ -154,6 +154,7 @@ class Trainer:
         self.max_mask_elems = int(max_mask_elems)
         # rows of [rows, V] float32 logits alive at once: about 1 GiB (2**28 floats)
         self.loss_chunk_rows = max(256, 2 ** 28 // max(1, dcfg.vocab_size))
+        attention = cfg.attention if attention == "auto" else attention
         if attention not in ("auto", "flex", "dense", "structured"):
             raise ValueError(f"attention: must be auto, flex, dense or structured, got {attention!r}")
         self.attention = attention if attention != "auto" else ("flex" if self.device.type == "cuda"
@@ -165,6 +166,9 @@ class Trainer:
         self.model: DFlashDrafter = DFlashDrafter(dcfg)  # initialised on the CPU: same weights everywhere
         self.model.load_target_head(target_dir)
         self.model.to(self.device).train()
+        if cfg.compile if compile_layers is None else compile_layers:
+            for layer in self.model.layers:  # in place: parameter names (checkpoints, exports) are unchanged
+                layer.compile()
         self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
@@ -271,6 +275,27 @@ class Trainer:
             stats[6:6 + b] += out.correct.double()
             stats[6 + b:] += out.counted.double()
         return stats
+
+    def warm_up(self) -> float:
+        """Compile the kernels of the flex form (``torch.compile``: tens of seconds on a cold cache) on a
+        synthetic batch, so the first real step is not mistaken for a hang; weights, optimizer, counters and
+        the global RNG are untouched. Returns the seconds it took (0 for the other forms, which compile nothing)."""
+        if self.attention != "flex" and not self.cfg.compile:
+            return 0.0
+        t0 = time.perf_counter()
+        n, b = 2 * self.cfg.block_size + 2, self.cfg.block_size
+        batch = {"hidden": torch.zeros(2 * n, self.dcfg.num_target_layers * self.dcfg.hidden_size, device=self.device),
+                 "input_ids": torch.full((2 * n,), self.dcfg.mask_token_id, dtype=torch.int32, device=self.device),
+                 "loss_mask": torch.ones(2 * n, dtype=torch.uint8, device=self.device),
+                 "cu_seqlens": torch.tensor([0, n, 2 * n], dtype=torch.int32)}
+        if self.cfg.label_source == "target":
+            batch["target_ids"] = batch["input_ids"].clone()
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            self._forward_backward(batch, [-1], checked=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ public step
     def step(self, batch: dict[str, torch.Tensor], batch_ids: list[int], checked: bool = False) -> dict[str, Any]:

@@ -131,6 +131,8 @@ class TrainerConfig:
     label_source: str = "data"         # data = the corpus's next tokens; target = the target's greedy next tokens
     distill_topk: int = 0              # > 0: the producer also sends the target's top-K log-probs; KL added to the loss
     distill_weight: float = 1.0        # weight of that KL term
+    compile: bool = False              # torch.compile the draft layers (see benchmarks/trainer.py for when it pays)
+    attention: str = "auto"            # auto (flex on CUDA, structured on CPU), flex, dense, structured
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
@@ -160,6 +162,8 @@ class TrainerConfig:
         _require(self.distill_topk == 0 or self.label_source == "target", "distill_topk",
                  "needs label_source=target (the producer computes the target's distribution only then)")
         _require(self.distill_weight >= 0, "distill_weight", f"must be >= 0, got {self.distill_weight}")
+        _require(self.attention in ("auto", "flex", "dense", "structured"), "attention",
+                 f"must be auto, flex, dense or structured, got {self.attention!r}")
         _require(self.grad_accum >= 1, "grad_accum", f"must be >= 1, got {self.grad_accum}")
         _require(self.max_steps >= 1, "max_steps", f"must be >= 1, got {self.max_steps}")
         _require(self.epochs is None or self.epochs >= 1, "epochs", f"must be >= 1, got {self.epochs}")
