@@ -7,12 +7,12 @@ copied. One sequence at a time:
 1. The target prefills the prompt (``P`` tokens) with a KV cache; its greedy choice is the first
    generated token, which becomes the *anchor* at position ``P``; the captured features of the prompt
    (positions ``0..P-1``) are the drafter's context: every token strictly before the anchor.
-2. The drafter proposes ``k = min(B-1, tokens still to generate)`` tokens after the anchor
-   (``DFlashDrafter.draft_block`` on ``[anchor, MASK x k]``).
+2. The drafter proposes ``k = B-1`` tokens after the anchor (``DFlashDrafter.draft_block`` on
+   ``[anchor, MASK x k]``), also when fewer are still to generate, as the reference does.
 3. The target verifies ``[anchor, d_1..d_k]`` in one forward at positions ``p..p+k``; with ``g_i`` its
    greedy choice after position ``p+i``, ``a`` is the number of leading ``d_{i+1} == g_i``, and the bonus
-   token is ``g_a``. The step produces ``a + 1`` tokens (``d_1..d_a``, bonus), cut at the generation
-   limit and after a stop token.
+   token is ``g_a``. The step produces ``a + 1`` tokens (``d_1..d_a``, bonus); the output is cut at the
+   generation limit and after a stop token, the step's acceptance length is not.
 4. The target cache is cropped to ``p + produced`` (anchor and accepted tokens kept); the verify forward's
    features of the anchor and the accepted tokens (rows ``0..produced-1``) become new drafter context;
    the last produced token is the next anchor. The drafter's cache holds verified context only
@@ -21,12 +21,17 @@ copied. One sequence at a time:
 Every emitted token is a target greedy choice given a prefix of target greedy choices, so the output
 equals plain greedy decoding token for token (``greedy_generate``; a test asserts it).
 
-Figures (as z-lab/dflash ``dflash/benchmark.py`` reports them): the acceptance length of a verify step
-is the number of tokens it produced (``a + 1``, bonus included; the prefill's first token is not a verify
-step); ``tau_mean`` is the mean over prompts of each prompt's mean acceptance length, ``tau_pooled`` the
-mean over all steps, ``tau_p50``/``tau_p90`` percentiles over steps and ``accept_hist`` the count of steps
-per length. ``forwards_per_token`` = target forwards (prefill included) / generated tokens (1.0 for plain
-greedy decoding). ``tokens_per_s`` = generated tokens / wall time of the generate calls (prefill included).
+Figures (as z-lab/dflash ``dflash/benchmark.py`` reports them, counted as ``dflash_generate`` counts):
+the acceptance length of a verify step is ``a + 1`` (accepted drafts plus the bonus; the prefill's first
+token is not a verify step), never cut at the generation limit or a stop token; verify steps go on while
+no stop token was produced and at most ``max_new_tokens`` tokens exist (the reference's ``start <
+max_length``, so a step also runs when exactly ``max_new_tokens`` are there). ``tau_mean`` is the mean over
+prompts of each prompt's mean acceptance length, ``tau_pooled`` the mean over all steps,
+``tau_p50``/``tau_p90`` percentiles over steps and ``accept_hist`` the count of steps per length.
+``forwards_per_token`` = target forwards (prefill included) / generated tokens (1.0 for plain greedy
+decoding). ``tokens_per_s`` = generated tokens / wall time of the generate calls (prefill included);
+``speedup`` = a row's ``tokens_per_s`` over plain greedy decoding's in the same run (the reference's
+"Decoding speedup": baseline time per output token over speculative time per output token).
 
 A *proposer* is any object with ``name``, ``needs_features`` and the methods ``reset(prompt_ids)``,
 ``add_context(features [C, n*H] | None, positions [C])`` and ``propose(tokens, k) -> list[int]`` (``tokens``:
@@ -253,9 +258,8 @@ def speculative_generate(target, proposer, prompt_ids: Sequence[int], max_new_to
         seq = prompt + [int(logits[-1].argmax())]
         res.tokens.append(seq[-1])
         res.stopped = seq[-1] in stop
-        while not res.stopped and len(res.tokens) < max_new_tokens:
-            remaining = max_new_tokens - len(res.tokens)
-            k = min(block_size - 1, remaining)
+        k = block_size - 1
+        while not res.stopped and len(res.tokens) <= max_new_tokens:  # the reference's start < max_length
             draft = [int(t) for t in proposer.propose(seq, k)][:k]
             anchor_pos = len(seq) - 1
             logits, feats = _forward(target, [seq[-1]] + draft, anchor_pos, cache, capture)
@@ -264,15 +268,17 @@ def speculative_generate(target, proposer, prompt_ids: Sequence[int], max_new_to
             a = 0
             while a < len(draft) and draft[a] == greedy[a]:
                 a += 1
-            new, res.stopped = _cut_at_stop((draft[:a] + [greedy[a]])[:remaining], stop)
+            new, res.stopped = _cut_at_stop(draft[:a] + [greedy[a]], stop)
             produced = len(new)
             crop_cache(cache, anchor_pos + produced)  # keep the anchor and the accepted drafts
             if feats is not None:
                 proposer.add_context(feats[:produced], torch.arange(anchor_pos, anchor_pos + produced))
             seq += new
             res.tokens += new
-            res.accept_lengths.append(produced)
+            res.accept_lengths.append(a + 1)
             res.drafted.append(len(draft))
+    res.tokens = res.tokens[:max_new_tokens]
+    res.stopped = bool(res.tokens) and res.tokens[-1] in stop
     res.wall_s = time.perf_counter() - t0
     return res
 
@@ -469,9 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                      "checkpoint); 'none' = baselines only")
     p.add_argument("--data", nargs="+", help="held-out Arrow file(s) from `launch.py prepare` "
                                              "(default: data/demo/heldout.arrow, built when missing)")
-    p.add_argument("--num-prompts", type=int, default=16, help="prompts per dataset (default 16)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt = first N tokens of a sample (default 128)")
+    p.add_argument("--num-prompts", type=int, default=24, help="prompts per dataset (default 24)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt = first N tokens of a sample (default 256)")
     p.add_argument("--block-size", type=int, help="verify block size B (default: the drafter's, else 16)")
     p.add_argument("--baselines-only", action="store_true", help="evaluate only the baselines")
     p.add_argument("--no-baselines", action="store_true", help="skip the untrained-drafter and prompt-lookup rows")
@@ -548,17 +554,20 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for path in data:
         prompts = load_prompts(path, args.num_prompts, args.prompt_len)
-        ref = None
+        ref, greedy_rate = None, None
         if not args.no_lossless_check:
             ref = [greedy_generate(target, p, args.max_new_tokens, stop)
                    for p in _progress(prompts, f"{path.stem}: target greedy")]
-            rows.append({"dataset": path.stem, "drafter": "target greedy (reference)", **summarize(ref, bsz)})
+            rows.append({"dataset": path.stem, "drafter": "target greedy (reference)", **summarize(ref, bsz),
+                         "speedup": 1.0})
+            greedy_rate = rows[-1]["tokens_per_s"]
         for name, proposer in rows_spec:
             res = [speculative_generate(target, proposer, p, args.max_new_tokens, bsz, dcfg.target_layer_ids, stop)
                    for p in _progress(prompts, f"{path.stem}: {name}")]
             row = {"dataset": path.stem, "drafter": name, **summarize(res, bsz)}
             if ref is not None:
                 row["lossless_mismatches"] = sum(r.tokens != g.tokens for r, g in zip(res, ref))
+                row["speedup"] = row["tokens_per_s"] / greedy_rate if greedy_rate and row["tokens_per_s"] else None
             rows.append(row)
             logger.info("eval dataset=%s drafter=%r tau_mean=%s", path.stem, name, row["tau_mean"])
     return {"target": str(target_dir), "drafter": str(step_dir) if step_dir else None, "device": device,
@@ -579,14 +588,15 @@ def format_table(report: dict[str, Any]) -> str:
         return "-" if v is None else format(v, spec)
 
     head = (f"{'dataset':<12} {'drafter':<30} {'prompts':>7} {'tau mean':>8} {'p50':>5} {'p90':>5} "
-            f"{'fwd/tok':>7} {'tok/s':>8} {'lossless':>8}")
+            f"{'fwd/tok':>7} {'tok/s':>8} {'speedup':>7} {'lossless':>8}")
     lines = [head, "-" * len(head)]
     for r in report["rows"]:
         mism = r.get("lossless_mismatches")
         lossless = "-" if mism is None else ("yes" if mism == 0 else f"NO ({mism})")
         lines.append(f"{r['dataset'][:12]:<12} {r['drafter'][:30]:<30} {r['num_prompts']:>7} "
                      f"{f(r['tau_mean'], '.3f'):>8} {f(r['tau_p50'], '.1f'):>5} {f(r['tau_p90'], '.1f'):>5} "
-                     f"{f(r['forwards_per_token'], '.3f'):>7} {f(r['tokens_per_s'], '.1f'):>8} {lossless:>8}")
+                     f"{f(r['forwards_per_token'], '.3f'):>7} {f(r['tokens_per_s'], '.1f'):>8} "
+                     f"{f(r.get('speedup'), '.2f'):>7} {lossless:>8}")
     return "\n".join(lines)
 
 

@@ -59,6 +59,8 @@ FLAGS = {
     "checkpoint_every": ("trainer", "checkpoint_every", int, "optimizer steps between checkpoints"),
     "eval_every": ("trainer", "eval_every", int, "steps between tau evaluations (0: at every checkpoint)"),
     "eval_prompts": ("trainer", "eval_prompts", int, "held-out prompts per tau evaluation during training (0: none)"),
+    "eval_prompt_len": ("trainer", "eval_prompt_len", int, "prompt tokens of each tau evaluation during training"),
+    "eval_max_new_tokens": ("trainer", "eval_max_new_tokens", int, "tokens generated per prompt in those evaluations"),
     "seed": ("trainer", "seed", int, "seed of the drafter and anchor sampling (and of the batch plan)"),
     "data": ("data", "data", str, "Arrow file from `launch.py prepare` (default: the demo corpus)"),
     "heldout": ("data", "heldout", str, "held-out Arrow file for tau evaluation"),
