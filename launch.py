@@ -4,6 +4,7 @@
 Commands (the default is train):
   train     train a drafter: producers (targets) and consumers (drafter trainers) as separate processes
   prepare   tokenize JSONL/Parquet data into the Arrow format train reads (--demo: the embedded corpus)
+  regenerate  rewrite training data with the target's own answers/continuations (loss on generated tokens)
   status    one line per process of a running run (--run-dir)
   restart   restart one producer of a running run gracefully (restart producer N --run-dir R)
   clean     remove shared-memory segments and sockets left by runs whose supervisor died
@@ -21,6 +22,7 @@ import sys
 
 COMMANDS = {
     "prepare": ("shared.prepare", "main"),
+    "regenerate": ("shared.regenerate", "main"),
     "train": ("supervisor.cli", "train_main"),
     "status": ("supervisor.cli", "status_main"),
     "restart": ("supervisor.cli", "restart_main"),

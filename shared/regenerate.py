@@ -1,0 +1,551 @@
+"""``launch.py regenerate``: training data written by the target itself.
+
+The DFlash and EAGLE recipes train drafters on the target's own responses (z-lab/dflash trains on
+target-generated answers; SpecForge ``scripts/regenerate_train_data.py`` and the EAGLE-3 paper, section 4,
+regenerate the assistant turns with the target): a drafter is judged by how often it agrees with the target,
+so it should learn what the target writes, not what a corpus says. This command reads an Arrow file from
+``launch.py prepare`` and writes another one in the same format:
+
+* **Chat samples** (the loss mask has 0 -> 1 transitions: assistant turns after a prompt): every run of
+  loss-mask-1 tokens (an assistant turn with its end-of-turn token) is replaced by the target's own answer to
+  the conversation so far (earlier turns already regenerated), generated until a stop token or
+  ``--max-new-tokens``; the other tokens stay.
+* **Plain text** (loss mask 1 from the first token): a prompt of ``--prefix-len`` tokens is continued by
+  ``--max-new-tokens`` tokens; with ``--stride S`` a prompt starts every ``S`` tokens of the sample (more
+  prompts from the same corpus), else only at its start.
+
+In the output the loss mask covers exactly the generated tokens (a stop token the target produced included),
+``source_file``/``source_row`` keep the input sample's provenance. ``--include-input`` appends the input samples
+unchanged (a mix of corpus and regenerated text). ``--temperature 0`` (default) is greedy decoding.
+
+Backends (``--backend``): ``vllm`` (``vllm.LLM.generate`` on token prompts) or ``sglang`` (``sglang.Engine``)
+when installed and asked for or ``auto`` finds them, else ``transformers`` (``generate`` on left-padded
+batches of similar length). ``--devices cuda:0,cuda:1`` runs one worker process per device, each on its own
+shards (the vLLM/SGLang backends use one engine on the first device).
+
+Resumable: the prompts are cut into shards of ``--shard-size`` samples; each finished shard is written to
+``OUTPUT.parts/shard-NNNNN.arrow`` at once, and a rerun with the same arguments skips the shards already
+there (different arguments are refused, naming them). The final file is written under a temporary name and
+renamed, with the usual sidecar (``regenerated``: target, arguments, counts). Input samples that cannot be
+regenerated (a token outside the target's vocabulary, an assistant turn with no prompt before it, an empty
+sample) are skipped, counted and named by sample index and source row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from shared.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_VERSION = 1
+EXAMPLES = 5
+
+
+# ------------------------------------------------------------------------------------------------ what to do
+@dataclass
+class Job:
+    """One input sample's regeneration: plain-text prompts, or the assistant spans of a chat sample.
+
+    ``prompts``: ``(start, end)`` token ranges of the sample used as prompts (plain text); ``spans``:
+    ``(start, end)`` ranges of the assistant turns to replace (chat). Exactly one of the two is non-empty.
+    """
+    index: int
+    prompts: list[tuple[int, int]] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+
+def runs_of_ones(mask: np.ndarray) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` of the maximal runs of 1 in a 0/1 array (end exclusive)."""
+    m = np.concatenate([[0], (np.asarray(mask) > 0).astype(np.int8), [0]])
+    d = np.diff(m)
+    return list(zip(np.nonzero(d == 1)[0].tolist(), np.nonzero(d == -1)[0].tolist()))
+
+
+def plan_job(index: int, ids: np.ndarray, mask: np.ndarray, prefix_len: int, stride: int,
+             vocab_size: int) -> Job:
+    """The ``Job`` of sample ``index`` (see the module docstring). Raises ``ValueError`` with a short kind
+    (``empty``, ``token_out_of_range``, ``no_prompt``, ``no_loss``) for a sample that cannot be regenerated."""
+    n = len(ids)
+    if n == 0:
+        raise ValueError("empty: the sample has no tokens")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ValueError(f"token_out_of_range: token ids must lie in 0..{vocab_size - 1}")
+    runs = runs_of_ones(mask)
+    if not runs:
+        raise ValueError("no_loss: no token carries loss, nothing to regenerate")
+    if runs[0][0] == 0:  # plain text: the loss starts at the first token
+        if n < 2 and prefix_len >= 1:
+            return Job(index, prompts=[(0, n)])
+        starts = [0] + (list(range(stride, n - prefix_len + 1, stride)) if stride > 0 else [])
+        return Job(index, prompts=[(s, min(n, s + prefix_len)) for s in starts])
+    return Job(index, spans=runs)
+
+
+# ------------------------------------------------------------------------------------------------ backends
+class TransformersBackend:
+    """Batched generation with ``transformers`` ``generate`` (left padding, batches of similar length)."""
+
+    name = "transformers"
+
+    def __init__(self, target: str, device: str, dtype: str, batch_size: int, trust_remote_code: bool = False):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from producers.target import resolve_device, resolve_dtype
+        dev = resolve_device(device)
+        self.device = dev
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=resolve_dtype(dtype, dev),
+                                                          local_files_only=True,
+                                                          trust_remote_code=trust_remote_code).to(dev).eval()
+        self.batch_size = int(batch_size)
+        self.torch = torch
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, stop_ids: list[int],
+                 pad_id: int, seed: int, progress=None) -> list[list[int]]:
+        """Continuations of ``prompts`` (each cut after its first stop token, at most ``max_new_tokens``)."""
+        torch = self.torch
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        out: list[list[int]] = [[] for _ in prompts]
+        torch.manual_seed(seed)
+        for b in range(0, len(order), self.batch_size):
+            idx = order[b:b + self.batch_size]
+            width = max(len(prompts[i]) for i in idx)
+            ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+            att = torch.zeros_like(ids)
+            for r, i in enumerate(idx):
+                p = prompts[i]
+                ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
+                att[r, width - len(p):] = 1
+            kw = dict(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0) if temperature > 0 \
+                else dict(do_sample=False)
+            with torch.inference_mode():
+                gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=att.to(self.device),
+                                          max_new_tokens=max_new_tokens, eos_token_id=stop_ids or None,
+                                          pad_token_id=pad_id, **kw)
+            for r, i in enumerate(idx):
+                out[i] = cut_at_stop(gen[r, width:].tolist(), stop_ids, max_new_tokens)
+            if progress is not None:
+                progress(len(idx))
+        return out
+
+
+class VllmBackend:
+    """``vllm.LLM`` offline generation on token prompts (``TokensPrompt``), one engine."""
+
+    name = "vllm"
+
+    def __init__(self, target: str, device: str, dtype: str, trust_remote_code: bool = False):
+        from vllm import LLM
+        self.llm = LLM(model=target, dtype="auto" if dtype == "auto" else dtype, trust_remote_code=trust_remote_code,
+                       skip_tokenizer_init=True)
+
+    def generate(self, prompts, max_new_tokens, temperature, stop_ids, pad_id, seed, progress=None):
+        from vllm import SamplingParams
+        params = SamplingParams(temperature=float(temperature), max_tokens=int(max_new_tokens),
+                                stop_token_ids=list(stop_ids), seed=int(seed), detokenize=False)
+        outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+        res = [cut_at_stop(list(o.outputs[0].token_ids), stop_ids, max_new_tokens) for o in outs]
+        if progress is not None:
+            progress(len(prompts))
+        return res
+
+
+class SglangBackend:
+    """``sglang.Engine`` offline generation on token prompts, one engine."""
+
+    name = "sglang"
+
+    def __init__(self, target: str, device: str, dtype: str, trust_remote_code: bool = False):
+        import sglang
+        self.engine = sglang.Engine(model_path=target, dtype=dtype, trust_remote_code=trust_remote_code,
+                                    skip_tokenizer_init=True)
+
+    def generate(self, prompts, max_new_tokens, temperature, stop_ids, pad_id, seed, progress=None):
+        params = {"temperature": float(temperature), "max_new_tokens": int(max_new_tokens),
+                  "stop_token_ids": list(stop_ids), "sampling_seed": int(seed)}
+        outs = self.engine.generate(input_ids=[list(p) for p in prompts], sampling_params=params)
+        res = [cut_at_stop(list(o["output_ids"]), stop_ids, max_new_tokens) for o in outs]
+        if progress is not None:
+            progress(len(prompts))
+        return res
+
+
+def cut_at_stop(tokens: Sequence[int], stop_ids: Sequence[int], limit: int) -> list[int]:
+    """``tokens`` up to and including the first stop token, at most ``limit`` of them."""
+    stop = set(int(s) for s in stop_ids)
+    out = []
+    for t in list(tokens)[:limit]:
+        out.append(int(t))
+        if out[-1] in stop:
+            break
+    return out
+
+
+def pick_backend(name: str) -> str:
+    """``auto`` -> ``vllm`` or ``sglang`` when importable, else ``transformers``. Raises ``ConfigError``
+    naming ``--backend`` when the one asked for is not installed."""
+    import importlib.util
+    if name == "auto":
+        for cand in ("vllm", "sglang"):
+            if importlib.util.find_spec(cand) is not None:
+                return cand
+        return "transformers"
+    if name in ("vllm", "sglang") and importlib.util.find_spec(name) is None:
+        raise ConfigError(f"--backend {name}: {name} is not installed (pip install {name}), or use "
+                          "--backend transformers")
+    if name not in ("vllm", "sglang", "transformers"):
+        raise ConfigError(f"--backend: must be auto, transformers, vllm or sglang, got {name!r}")
+    return name
+
+
+def make_backend(name: str, args: "Settings", device: str):
+    if name == "vllm":
+        return VllmBackend(args.target, device, args.dtype, args.trust_remote_code)
+    if name == "sglang":
+        return SglangBackend(args.target, device, args.dtype, args.trust_remote_code)
+    return TransformersBackend(args.target, device, args.dtype, args.batch_size, args.trust_remote_code)
+
+
+# ------------------------------------------------------------------------------------------------ shards
+@dataclass
+class Settings:
+    """Everything that decides the output (the manifest compares these on resume) plus how to run."""
+    target: str
+    input: str
+    input_fingerprint: str
+    max_new_tokens: int
+    temperature: float
+    prefix_len: int
+    stride: int
+    max_samples: int
+    include_input: bool
+    seed: int
+    shard_size: int
+    dtype: str = "auto"
+    batch_size: int = 256
+    backend: str = "transformers"
+    trust_remote_code: bool = False
+
+    DECIDING = ("target", "input_fingerprint", "max_new_tokens", "temperature", "prefix_len", "stride",
+                "max_samples", "include_input", "seed", "shard_size")
+
+
+def stop_and_pad_ids(target: str) -> tuple[list[int], int]:
+    """The target's stop tokens (generation config's, else config's ``eos_token_id``) and pad id."""
+    from transformers import AutoConfig, GenerationConfig
+    stop = None
+    try:
+        stop = GenerationConfig.from_pretrained(target, local_files_only=True).eos_token_id
+    except (OSError, ValueError):
+        pass
+    cfg = AutoConfig.from_pretrained(target, local_files_only=True)
+    if stop is None:
+        stop = getattr(cfg, "eos_token_id", None)
+    stop_ids = [] if stop is None else [int(s) for s in (stop if isinstance(stop, (list, tuple)) else [stop])]
+    pad = getattr(cfg, "pad_token_id", None)
+    return stop_ids, int(pad if pad is not None else (stop_ids[0] if stop_ids else 0))
+
+
+def run_shard(backend, ds, jobs: list[Job], st: Settings, stop_ids: list[int], pad_id: int, shard: int,
+              progress=None):
+    """Regenerate one shard's jobs; returns a ``shared.prepare.ChunkResult`` with its samples, in job order."""
+    from shared.prepare import _result
+    rows: dict[int, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
+    # plain text: all prompts of the shard in one generate call
+    plain = [(j, s, e) for j in jobs for s, e in j.prompts]
+    if plain:
+        prompts = [ds[j.index][0][s:e].astype(np.int64).tolist() for j, s, e in plain]
+        gens = backend.generate(prompts, st.max_new_tokens, st.temperature, stop_ids, pad_id,
+                                st.seed * 1_000_003 + shard, progress)
+        for (j, s, e), p, g in zip(plain, prompts, gens):
+            rows[j.index].append((np.asarray(p + g, np.int32),
+                                  np.concatenate([np.zeros(len(p), np.uint8), np.ones(len(g), np.uint8)])))
+    # chat: round r regenerates the r-th assistant turn of every sample that has one
+    chats = [j for j in jobs if j.spans]
+    source = {j.index: ds[j.index][0].astype(np.int64).tolist() for j in chats}
+    done_upto = {j.index: 0 for j in chats}   # source tokens consumed so far
+    out_ids = {j.index: [] for j in chats}
+    out_mask = {j.index: [] for j in chats}
+    for r in range(max((len(j.spans) for j in chats), default=0)):
+        active = [j for j in chats if r < len(j.spans)]
+        prompts = []
+        for j in active:
+            src = source[j.index]
+            a, b = j.spans[r]
+            keep = src[done_upto[j.index]:a]
+            out_ids[j.index] += keep
+            out_mask[j.index] += [0] * len(keep)
+            done_upto[j.index] = b
+            prompts.append(list(out_ids[j.index]))
+        gens = backend.generate(prompts, st.max_new_tokens, st.temperature, stop_ids, pad_id,
+                                st.seed * 1_000_003 + shard * 101 + r, progress)
+        for j, g in zip(active, gens):
+            out_ids[j.index] += g
+            out_mask[j.index] += [1] * len(g)
+    for j in chats:
+        tail = source[j.index][done_upto[j.index]:]
+        rows[j.index].append((np.asarray(out_ids[j.index] + tail, np.int32),
+                              np.asarray(out_mask[j.index] + [0] * len(tail), np.uint8)))
+    ids, masks, lens, files, srcrows = [], [], [], [], []
+    for j in jobs:
+        f, row = ds.source(j.index)
+        for i, m in rows[j.index]:
+            if not m.any():
+                continue  # the target stopped at once: nothing to learn from this prompt
+            ids.append(i), masks.append(m), lens.append(len(i)), files.append(f), srcrows.append(row)
+    return _result(ids, masks, lens, files, srcrows, len(jobs), collections.Counter(), [])
+
+
+def _shard_path(parts: Path, k: int) -> Path:
+    return parts / f"shard-{k:05d}.arrow"
+
+
+def _worker(device: str, backend_name: str, st: Settings, shards: list[int], parts: str, queue) -> None:
+    """One device's process: regenerate ``shards`` (indices) and write each as it finishes."""
+    try:
+        from shared.data import TokenDataset
+        ds = TokenDataset(st.input)
+        jobs_by_shard = shard_jobs(ds, st)[0]
+        stop_ids, pad_id = stop_and_pad_ids(st.target)
+        backend = make_backend(backend_name, st, device)
+        for k in shards:
+            res = run_shard(backend, ds, jobs_by_shard[k], st, stop_ids, pad_id, k,
+                            progress=lambda n: queue.put(("prompts", n)))
+            write_shard(Path(parts), k, res)
+            queue.put(("shard", k))
+    except BaseException as e:  # reported to the parent, which names the device
+        queue.put(("error", f"{device}: {type(e).__name__}: {e}"))
+        raise
+
+
+def write_shard(parts: Path, k: int, res) -> None:
+    """Write one finished shard atomically (``ArrowSink`` renames at commit)."""
+    from shared.prepare import ArrowSink
+    sink = ArrowSink(_shard_path(parts, k))
+    sink.add(res)
+    sink.commit({"shard": k})
+
+
+def shard_jobs(ds, st: Settings) -> tuple[list[list[Job]], list[tuple[str, int, int, str]], collections.Counter]:
+    """Plan every sample (``plan_job``), cut the good ones into shards of ``st.shard_size`` samples.
+    Returns ``(shards, bad examples (kind, sample, source_row, detail), bad counts by kind)``."""
+    n = len(ds) if st.max_samples <= 0 else min(len(ds), st.max_samples)
+    vocab = target_vocab_size(st.target)
+    jobs, bad, counts = [], [], collections.Counter()
+    for i in range(n):
+        ids, mask = ds[i]
+        try:
+            jobs.append(plan_job(i, ids, mask, st.prefix_len, st.stride, vocab))
+        except ValueError as e:
+            kind, _, detail = str(e).partition(": ")
+            counts[kind] += 1
+            if counts[kind] <= EXAMPLES:
+                bad.append((kind, i, ds.source(i)[1], detail))
+    shards = [jobs[k:k + st.shard_size] for k in range(0, len(jobs), st.shard_size)]
+    return shards, bad, counts
+
+
+_VOCAB: dict[str, int] = {}
+
+
+def target_vocab_size(target: str) -> int:
+    """``vocab_size`` of the target's config (cached per path)."""
+    if target not in _VOCAB:
+        from producers.target import check_checkpoint
+        _VOCAB[target] = int(check_checkpoint(target).vocab_size)
+    return _VOCAB[target]
+
+
+def check_manifest(parts: Path, st: Settings) -> None:
+    """Create ``parts/manifest.json`` or check it against ``st``; raises ``ConfigError`` naming the
+    arguments that differ from the interrupted run's (its finished shards would not fit)."""
+    path = parts / "manifest.json"
+    mine = {k: getattr(st, k) for k in Settings.DECIDING}
+    if path.is_file():
+        old = json.loads(path.read_text())
+        diff = sorted(k for k in Settings.DECIDING if old.get(k) != mine[k])
+        if diff:
+            raise ConfigError(f"{parts} holds shards of a regeneration with other arguments ({', '.join(diff)}); "
+                              f"rerun with those, or delete {parts} to start over")
+        return
+    parts.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": MANIFEST_VERSION, **mine}, indent=1) + "\n")
+
+
+def merge(parts: Path, num_shards: int, output: Path, st: Settings, meta: dict) -> dict:
+    """Concatenate the shards (and the input with ``include_input``) into ``output``; returns the sidecar."""
+    from shared.data import TokenDataset
+    from shared.prepare import ArrowSink, _result
+    sink = ArrowSink(output)
+    try:
+        generated = 0
+        for k in range(num_shards):
+            part = TokenDataset(_shard_path(parts, k))
+            ids = [part[i][0] for i in range(len(part))]
+            masks = [part[i][1] for i in range(len(part))]
+            src = [part.source(i) for i in range(len(part))]
+            generated += int(sum(int(m.sum()) for m in masks))
+            sink.add(_result(ids, masks, [len(x) for x in ids], [s[0] for s in src], [s[1] for s in src],
+                             len(part), collections.Counter(), []))
+        if st.include_input:
+            ds = TokenDataset(st.input)
+            for a in range(0, len(ds), 4096):
+                rng = range(a, min(len(ds), a + 4096))
+                src = [ds.source(i) for i in rng]
+                sink.add(_result([ds[i][0] for i in rng], [ds[i][1] for i in rng], [int(ds.lengths[i]) for i in rng],
+                                 [s[0] for s in src], [s[1] for s in src], len(rng), collections.Counter(), []))
+        side = dict(meta, **sink.stats(), content_sha1=sink.sha1.hexdigest(), generated_tokens=generated)
+        sink.commit(side)
+    except BaseException:
+        sink.abort()
+        raise
+    return side
+
+
+# ------------------------------------------------------------------------------------------------ command
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="launch.py regenerate", description=(
+        "Write training data whose assistant turns (chat) or continuations (plain text) are generated by the "
+        "target itself; the loss mask covers exactly the generated tokens."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", required=True, help="target checkpoint directory (Hugging Face format)")
+    p.add_argument("--input", required=True, help="Arrow file from `launch.py prepare`")
+    p.add_argument("--output", required=True, help="Arrow file to write (sidecar .json beside it)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt / assistant turn")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--max-samples", type=int, default=0, help="regenerate only the first M input samples (0: all)")
+    p.add_argument("--prefix-len", type=int, default=256, help="plain text: prompt tokens")
+    p.add_argument("--stride", type=int, default=0, help="plain text: a prompt every S tokens (0: one per sample)")
+    p.add_argument("--include-input", action="store_true", help="also write the input samples unchanged (a mix)")
+    p.add_argument("--devices", default="auto", help="cpu, cuda:0,cuda:1, ... (auto: every GPU, else cpu)")
+    p.add_argument("--dtype", default="auto", help="target dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
+    p.add_argument("--batch-size", type=int, default=256, help="prompts per generate call (transformers backend)")
+    p.add_argument("--backend", default="auto", help="auto, transformers, vllm or sglang")
+    p.add_argument("--shard-size", type=int, default=1024, help="input samples per resumable shard")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def _devices(text: str) -> list[str]:
+    if text == "auto":
+        import torch
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [f"cuda:{i}" for i in range(n)] or ["cpu"]
+    out = [d.strip() for d in text.split(",") if d.strip()]
+    if not out:
+        raise ConfigError("--devices: give a device list such as cpu or cuda:0,cuda:1")
+    from producers.target import resolve_device
+    for d in out:
+        resolve_device(d)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    """``launch.py regenerate``: 0 on success, 2 for a bad flag or input, 1 when a worker failed (its finished
+    shards are kept: rerun the same command to resume)."""
+    args = build_parser().parse_args(argv)
+    from shared.data import TokenDataset
+    from tqdm import tqdm
+    try:
+        for flag in ("max_new_tokens", "prefix_len", "batch_size", "shard_size"):
+            if getattr(args, flag) < 1:
+                raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
+        for flag in ("stride", "max_samples"):
+            if getattr(args, flag) < 0:
+                raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 0, got {getattr(args, flag)}")
+        if not np.isfinite(args.temperature) or args.temperature < 0:
+            raise ConfigError(f"--temperature: must be a finite number >= 0, got {args.temperature}")
+        from producers.target import check_checkpoint
+        check_checkpoint(args.target)
+        try:
+            ds = TokenDataset(args.input)
+        except (FileNotFoundError, ValueError) as e:
+            raise ConfigError(f"--input: {e}") from None
+        output = Path(args.output)
+        if output.resolve() == Path(args.input).resolve():
+            raise ConfigError("--output: must differ from --input")
+        devices = _devices(args.devices)
+        backend = pick_backend(args.backend)
+        st = Settings(target=str(Path(args.target).resolve()), input=str(Path(args.input).resolve()),
+                      input_fingerprint=ds.fingerprint, max_new_tokens=args.max_new_tokens,
+                      temperature=float(args.temperature), prefix_len=args.prefix_len, stride=args.stride,
+                      max_samples=args.max_samples, include_input=args.include_input, seed=args.seed,
+                      shard_size=args.shard_size, dtype=args.dtype, batch_size=args.batch_size, backend=backend,
+                      trust_remote_code=args.trust_remote_code)
+        shards, bad, counts = shard_jobs(ds, st)
+        parts = output.with_name(output.name + ".parts")
+        check_manifest(parts, st)
+    except ConfigError as e:
+        print(f"regenerate: error: {e}", file=sys.stderr)
+        return 2
+    for kind, i, row, detail in bad:
+        print(f"regenerate: skipped sample {i} (source row {row}): {kind}: {detail}", file=sys.stderr)
+    if sum(counts.values()) > len(bad):
+        print(f"regenerate: skipped {sum(counts.values())} samples in all: {dict(counts)}", file=sys.stderr)
+    todo = [k for k in range(len(shards)) if not _shard_path(parts, k).is_file()]
+    num_prompts = sum(len(j.prompts) + len(j.spans) for k in todo for j in shards[k])
+    t0 = time.perf_counter()
+    print(f"regenerate: {len(ds)} input samples -> {sum(len(s) for s in shards)} to regenerate in {len(shards)} "
+          f"shards ({len(shards) - len(todo)} already done); {num_prompts} prompts to generate with {backend} on "
+          f"{', '.join(devices)}", file=sys.stderr)
+    workers = devices if backend == "transformers" else devices[:1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = []
+    for w, dev in enumerate(workers):
+        mine = todo[w::len(workers)]
+        if mine:
+            procs.append(ctx.Process(target=_worker, args=(dev, backend, st, mine, str(parts), queue)))
+    for p in procs:
+        p.start()
+    failed = []
+    bar = tqdm(total=num_prompts, unit="prompt", desc="regenerate", disable=args.no_progress, file=sys.stderr)
+    try:
+        while any(p.is_alive() for p in procs) or not queue.empty():
+            try:
+                kind, value = queue.get(timeout=0.5)
+            except Exception:
+                continue
+            if kind == "prompts":
+                bar.update(value)
+            elif kind == "error":
+                failed.append(value)
+    finally:
+        bar.close()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    missing = [k for k in range(len(shards)) if not _shard_path(parts, k).is_file()]
+    if failed or missing:
+        print(f"regenerate: error: {'; '.join(failed) or 'a worker died'}; {len(shards) - len(missing)}/{len(shards)} "
+              f"shards are done and kept in {parts}: rerun the same command to resume", file=sys.stderr)
+        return 1
+    meta = dict({k: v for k, v in ds.meta.items() if k in ("tokenizer", "tokenizer_path", "vocab_size", "pad_id",
+                                                           "eos_id", "max_length")},
+                regenerated={**asdict(st), "backend": backend, "devices": devices,
+                             "skipped_samples": dict(counts), "time_s": round(time.perf_counter() - t0, 2)},
+                inputs=[str(st.input)])
+    side = merge(parts, len(shards), output, st, meta)
+    shutil.rmtree(parts, ignore_errors=True)
+    print(f"regenerate: wrote {output}: {side['num_samples']} samples, {side['num_tokens']} tokens, "
+          f"{side['generated_tokens']} generated, in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
