@@ -374,8 +374,11 @@ def build_flex_mask(anchors: torch.Tensor, seq_start: torch.Tensor, ctx_len: int
 
     kv_num, kv_idx = ordered(partial)
     full_num, full_idx = ordered(full)
-    mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod,
-                                    seq_lengths=(q_len, t_pad + q_len))
+    try:
+        mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod,
+                                        seq_lengths=(q_len, t_pad + q_len))
+    except TypeError:  # torch < 2.6: lengths are the tile counts times the tile, which they are here
+        mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod)
     return FlexMask(block_mask=mask, ctx_len=t_pad, q_len=q_len, num_queries=a * b)
 
 

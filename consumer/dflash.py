@@ -222,7 +222,7 @@ def flex_attention_fn(compiled: bool):
     unfused reference that materialises the scores)."""
     global _COMPILED_FLEX
     from torch.nn.attention.flex_attention import flex_attention
-    if not compiled:
+    if not compiled or torch.compiler.is_compiling():  # inside a compiled layer dynamo compiles it in place
         return flex_attention
     if _COMPILED_FLEX is None:
         _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)  # one kernel for every batch shape

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# GPU figures of the drafter-quality work in one command (device time is scarce): trainer throughput (fixture and
+# Qwen3-8B shape, every attention form in the same run), the target-regenerated corpus, the baselines' tau in the
+# standard eval setting, and short training runs per label source (run side by side on the one GPU).
+# Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_drafter.sh [steps...]
+#   steps: bench regen baselines sweep final (default: bench regen baselines sweep)
+set -u
+OUT=${OUT:-/tmp/specring-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TOKENIZERS_PARALLELISM=false
+LOG="$OUT/gpu_drafter.log"
+T0=$(date +%s)
+{ nvidia-smi -L; python3 -c 'import torch, transformers, zmq; print("torch", torch.__version__, "transformers", transformers.__version__, "zmq", zmq.__version__, "gpus", torch.cuda.device_count())'; } 2>&1 | tee -a "$LOG"
+step() {  # step NAME TIMEOUT_S CMD...
+  local name=$1 t=$2; shift 2
+  echo "=== $name (t=$(( $(date +%s) - T0 ))s): $*" | tee -a "$LOG"
+  local s=$(date +%s)
+  timeout "$t" "$@" > "$OUT/$name.txt" 2>&1; local rc=$?
+  echo "=== $name rc=$rc wall_s=$(( $(date +%s) - s ))" | tee -a "$LOG"
+  grep -E "=|tau|error|Error|FAILED|wrote|speedup|prompt-lookup|dflash|greedy" "$OUT/$name.txt" | grep -v "^\s*$" | tail -n 40 >> "$LOG"
+}
+STEPS="${*:-bench regen baselines sweep}"
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+python3 launch.py prepare --demo --no-progress > "$OUT/prepare.txt" 2>&1; echo "prepare rc=$? t=$(( $(date +%s) - T0 ))s" | tee -a "$LOG"
+
+if has bench; then
+  step bench_tiny 110 python3 benchmarks/trainer.py --device cuda:0 --shape tiny --seqs 8 --seq-len 1024 --num-anchors 512 \
+    --steps 10 --warmup 3 --check --attention flex dense flex+compile
+  step bench_qwen 100 python3 benchmarks/trainer.py --device cuda:0 --shape qwen3-8b --seqs 1 --seq-len 2048 --num-anchors 512 \
+    --steps 5 --warmup 2 --check --attention flex dense
+fi
+ATTN_CFG=()
+if [ -f "$OUT/bench_tiny.txt" ] && ! grep -q "^form=flex train_step_s" "$OUT/bench_tiny.txt"; then
+  printf '[trainer]\nattention = "dense"\n' > /tmp/dense.toml; ATTN_CFG=(--config /tmp/dense.toml)
+  echo "flex failed in the benchmark: the runs below use attention=dense" | tee -a "$LOG"
+fi
+
+REGEN=data/demo/regen.arrow
+if has regen; then
+  step regen 170 python3 launch.py regenerate --target assets/tiny-code-lm --input data/demo/train.arrow --output $REGEN \
+    --max-new-tokens 256 --prefix-len 256 --stride 256 --batch-size 1024 --devices cuda:0 --no-progress &
+  REGEN_PID=$!
+fi
+if has baselines; then
+  step baselines 170 python3 launch.py eval --drafter none --num-prompts ${BASELINE_PROMPTS:-24} --output-json "$OUT/baselines.json"
+fi
+[ -n "${REGEN_PID:-}" ] && wait $REGEN_PID
+
+EVAL=(--eval-prompts 6 --eval-prompt-len 256 --eval-max-new-tokens 256)
+run() {  # run NAME STEPS EXTRA...: one launch.py train on cuda:0 (producer and consumer), in the background
+  local name=$1 steps=$2; shift 2
+  python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name --max-steps $steps \
+    --checkpoint-every 100 "${EVAL[@]}" "${ATTN_CFG[@]}" "$@" > "$OUT/run_$name.txt" 2>&1 &
+}
+if has sweep; then
+  echo "=== sweep (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
+  run data 300 --label-source data
+  run target 300 --label-source target
+  [ -f $REGEN ] && run regen 300 --label-source target --data $REGEN
+  [ -f $REGEN ] && run regen_lr 300 --label-source target --data $REGEN --lr 1.5e-3
+  ( sleep ${SWEEP_S:-200}; pkill -INT -f "launch.py train" ) & KILLER=$!
+  wait $(jobs -p | grep -v $KILLER) 2>/dev/null; kill $KILLER 2>/dev/null
+  for r in data target regen regen_lr; do
+    [ -d runs/$r ] || continue
+    echo "--- $r" >> "$LOG"; tail -n 4 "$OUT/run_$r.txt" >> "$LOG"
+    cp runs/$r/eval.jsonl "$OUT/eval_$r.jsonl" 2>/dev/null
+    python3 - "$r" >> "$LOG" 2>&1 <<'EOF'
+import json, sys
+r = sys.argv[1]
+rows = [json.loads(l) for l in open(f"runs/{r}/metrics.jsonl")]
+t0 = rows[0]["time"]
+for m in rows[::50] + rows[-1:]:
+    print(f"{r} step={m['step']} t={m['time'] - t0:.0f}s loss={m['loss']:.3f} acc1={m['per_slot_acc'][0]} tok/s={m.get('tokens_per_s')}")
+for e in (json.loads(l) for l in open(f"runs/{r}/eval.jsonl")):
+    print(f"{r} eval step={e['step']} tau={e['tau_mean']:.3f} eval_s={e['eval_s']}")
+EOF
+  done
+fi
+nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$LOG" 2>&1
+tar czf "$OUT/runs.tgz" runs/*/eval.jsonl runs/*/metrics.jsonl runs/*/summary.json runs/*/logs 2>/dev/null
+echo "done t=$(( $(date +%s) - T0 ))s" | tee -a "$LOG"
