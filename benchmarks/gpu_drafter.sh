@@ -39,7 +39,7 @@ fi
 REGEN=data/demo/regen.arrow
 if has regen; then
   step regen 170 python3 launch.py regenerate --target assets/tiny-code-lm --input data/demo/train.arrow --output $REGEN \
-    --max-new-tokens 256 --prefix-len 256 --stride 256 --batch-size 1024 --devices cuda:0 --no-progress &
+    --max-new-tokens 256 --prefix-len 256 --stride 256 --batch-size ${REGEN_BATCH:-1024} --devices cuda:0 --no-progress &
   REGEN_PID=$!
 fi
 if has baselines; then
@@ -57,26 +57,37 @@ if has sweep; then
   echo "=== sweep (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
   run data 300 --label-source data
   run target 300 --label-source target
-  [ -f $REGEN ] && run regen 300 --label-source target --data $REGEN
-  [ -f $REGEN ] && run regen_lr 300 --label-source target --data $REGEN --lr 1.5e-3
+  [ -f $REGEN ] && run regen 300 --label-source target --data $REGEN --heldout data/demo/heldout.arrow
+  [ -f $REGEN ] && run regen_lr 300 --label-source target --data $REGEN --heldout data/demo/heldout.arrow --lr 1.5e-3
   ( sleep ${SWEEP_S:-200}; pkill -INT -f "launch.py train" ) & KILLER=$!
   wait $(jobs -p | grep -v $KILLER) 2>/dev/null; kill $KILLER 2>/dev/null
-  for r in data target regen regen_lr; do
+  summarize data target regen regen_lr
+fi
+summarize() {  # summarize RUN...: loss/accuracy/tau curves of finished runs into the log
+  for r in "$@"; do
     [ -d runs/$r ] || continue
     echo "--- $r" >> "$LOG"; tail -n 4 "$OUT/run_$r.txt" >> "$LOG"
-    cp runs/$r/eval.jsonl "$OUT/eval_$r.jsonl" 2>/dev/null
-    python3 - "$r" >> "$LOG" 2>&1 <<'EOF'
-import json, sys
-r = sys.argv[1]
-rows = [json.loads(l) for l in open(f"runs/{r}/metrics.jsonl")]
-t0 = rows[0]["time"]
-for m in rows[::50] + rows[-1:]:
-    print(f"{r} step={m['step']} t={m['time'] - t0:.0f}s loss={m['loss']:.3f} acc1={m['per_slot_acc'][0]} tok/s={m.get('tokens_per_s')}")
-for e in (json.loads(l) for l in open(f"runs/{r}/eval.jsonl")):
-    print(f"{r} eval step={e['step']} tau={e['tau_mean']:.3f} eval_s={e['eval_s']}")
-EOF
+    python3 benchmarks/run_curves.py runs/$r >> "$LOG" 2>&1
   done
+}
+EVAL2=(--heldout data/demo/heldout.arrow --eval-prompts 4 --eval-prompt-len 256 --eval-max-new-tokens 256)
+if has sweep2; then
+  echo "=== sweep2 (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
+  S2=${SWEEP2_STEPS:-2000}
+  run2() { local name=$1; shift; python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name \
+      --max-steps $S2 --checkpoint-every 500 "${EVAL2[@]}" "${ATTN_CFG[@]}" --data $REGEN --label-source target "$@" \
+      > "$OUT/run_$name.txt" 2>&1 & }
+  run2 regen_base
+  run2 regen_deep --target-layers 1,3,5,6,7
+  run2 regen_deep_lr --target-layers 1,3,5,6,7 --lr 2e-3
+  ( sleep ${SWEEP2_S:-330}; pkill -INT -f "launch.py train" ) & KILLER=$!
+  wait $(jobs -p | grep -v $KILLER) 2>/dev/null; kill $KILLER 2>/dev/null
+  summarize regen_base regen_deep regen_deep_lr
+  BEST=$(python3 benchmarks/run_curves.py --best runs/regen_base runs/regen_deep runs/regen_deep_lr)
+  echo "best=$BEST" | tee -a "$LOG"
+  [ -n "$BEST" ] && step final_eval 170 python3 launch.py eval --drafter $BEST --baselines prompt-lookup \
+    --output-json "$OUT/final_eval.json"
 fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$LOG" 2>&1
-tar czf "$OUT/runs.tgz" runs/*/eval.jsonl runs/*/metrics.jsonl runs/*/summary.json runs/*/logs 2>/dev/null
+tar czf "$OUT/runs.tgz" runs/*/eval.jsonl runs/*/metrics.jsonl runs/*/summary.json runs/*/logs "$OUT"/*.txt 2>/dev/null
 echo "done t=$(( $(date +%s) - T0 ))s" | tee -a "$LOG"

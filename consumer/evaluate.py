@@ -399,8 +399,12 @@ class CheckpointEvaluator:
                 on_prompt(done, total)
 
         t0 = time.perf_counter()
-        r = evaluate_tau(self.target, drafter, self.prompts, tc.eval_max_new_tokens, pc.target_layer_ids,
-                         on_prompt=after_prompt)
+        # decoding shapes differ from training's: run the compiled draft layers eagerly instead of compiling
+        # new graphs in the middle of a run
+        stance = getattr(torch.compiler, "set_stance", None)
+        with stance("force_eager") if stance is not None else contextlib.nullcontext():
+            r = evaluate_tau(self.target, drafter, self.prompts, tc.eval_max_new_tokens, pc.target_layer_ids,
+                             on_prompt=after_prompt)
         rec = {"step": int(step), "tau_mean": r["tau_mean"], "tau_p50": r["tau_p50"], "tau_p90": r["tau_p90"],
                "forwards_per_token": r["forwards_per_token"], "loss": loss, "prompts": len(self.prompts),
                "eval_s": round(time.perf_counter() - t0, 2), "time": time.time()}
@@ -481,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, help="verify block size B (default: the drafter's, else 16)")
     p.add_argument("--baselines-only", action="store_true", help="evaluate only the baselines")
     p.add_argument("--no-baselines", action="store_true", help="skip the untrained-drafter and prompt-lookup rows")
+    p.add_argument("--baselines", default="untrained,prompt-lookup",
+                   help="comma list of baseline rows: untrained, prompt-lookup (default both)")
     p.add_argument("--no-lossless-check", action="store_true", help="skip the greedy reference decode")
     p.add_argument("--ngram-max", type=int, default=3, help="longest n-gram of the prompt-lookup baseline")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS token")
@@ -541,10 +547,16 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     rows_spec: list[tuple[str, Any]] = []
     if drafter is not None:
         rows_spec.append((f"dflash {step_dir.name}", DFlashProposer(drafter, bsz)))
+    baselines = {b.strip() for b in args.baselines.split(",") if b.strip()}
+    if baselines - {"untrained", "prompt-lookup"}:
+        raise ConfigError(f"--baselines: unknown {sorted(baselines - {'untrained', 'prompt-lookup'})} "
+                          "(known: untrained, prompt-lookup)")
     if not args.no_baselines or drafter is None:
-        rows_spec.append(("dflash untrained", DFlashProposer(untrained_drafter(dcfg, target_dir, device, dtype,
-                                                                               args.seed), bsz)))
-        rows_spec.append((f"prompt-lookup (n<={args.ngram_max})", PromptLookupProposer(args.ngram_max)))
+        if "untrained" in baselines:
+            rows_spec.append(("dflash untrained", DFlashProposer(untrained_drafter(dcfg, target_dir, device, dtype,
+                                                                                   args.seed), bsz)))
+        if "prompt-lookup" in baselines:
+            rows_spec.append((f"prompt-lookup (n<={args.ngram_max})", PromptLookupProposer(args.ngram_max)))
     stop = [] if args.ignore_eos else _stop_ids(hf_config)
     data = [Path(d) for d in args.data] if args.data else None
     if data is None:

@@ -121,7 +121,7 @@ def body(ctx: ChildContext) -> None:
                 evaluator = None
         compile_s = trainer.warm_up()  # before Hello: a cold compile is start-up (startup_timeout_s), not a hang
         if compile_s:
-            log.info("warm_up attention=%s compile=%s seconds=%.1f", trainer.attention, cfg.trainer.compile, compile_s)
+            log.info("warm_up attention=%s compiled=%s seconds=%.1f", trainer.attention, trainer.compiled, compile_s)
         ctx.ready()
         _loop(ctx, trainer, SlotReader(rings, device), rank, evaluator)
     finally:

@@ -131,7 +131,7 @@ class TrainerConfig:
     label_source: str = "data"         # data = the corpus's next tokens; target = the target's greedy next tokens
     distill_topk: int = 0              # > 0: the producer also sends the target's top-K log-probs; KL added to the loss
     distill_weight: float = 1.0        # weight of that KL term
-    compile: bool = False              # torch.compile the draft layers (see benchmarks/trainer.py for when it pays)
+    compile: bool | None = None        # torch.compile the draft layers; None = on CUDA (benchmarks/trainer.py)
     attention: str = "auto"            # auto (flex on CUDA, structured on CPU), flex, dense, structured
     lr: float = 6e-4
     min_lr_ratio: float = 0.1
