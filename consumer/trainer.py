@@ -283,10 +283,31 @@ class Trainer:
     def warm_up(self) -> float:
         """Compile the kernels of the flex form (``torch.compile``: tens of seconds on a cold cache) on a
         synthetic batch, so the first real step is not mistaken for a hang; weights, optimizer, counters and
-        the global RNG are untouched. Returns the seconds it took (0 for the other forms, which compile nothing)."""
+        the global RNG are untouched. Returns the seconds it took (0 for the other forms, which compile nothing).
+
+        A compiler failure (a toolchain the machine lacks, a torch without the needed support) is logged as an
+        error naming the form given up, and the trainer falls back: compiled layers -> eager layers, then flex
+        -> dense attention; the weights are the same either way, only the speed differs."""
         if self.attention != "flex" and not self.compiled:
             return 0.0
         t0 = time.perf_counter()
+        try:
+            self._warm_up_once()
+        except Exception as e:  # noqa: BLE001 - any compiler error; the fallback is logged
+            if self.compiled:
+                logger.error("compile_failed form=compiled_layers fallback=eager_layers error=%s: %s",
+                             type(e).__name__, str(e)[:500])
+                for layer in self.model.layers:
+                    layer._compiled_call_impl = None  # undo nn.Module.compile()
+                self.compiled = False
+            else:
+                logger.error("compile_failed form=flex fallback=dense error=%s: %s", type(e).__name__, str(e)[:500])
+                self.attention = "dense"
+            self.optimizer.zero_grad(set_to_none=True)
+            return time.perf_counter() - t0 + self.warm_up()
+        return time.perf_counter() - t0
+
+    def _warm_up_once(self) -> None:
         n, b = 2 * self.cfg.block_size + 2, self.cfg.block_size
         batch = {"hidden": torch.zeros(2 * n, self.dcfg.num_target_layers * self.dcfg.hidden_size, device=self.device),
                  "input_ids": torch.full((2 * n,), self.dcfg.mask_token_id, dtype=torch.int32, device=self.device),
@@ -299,7 +320,6 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ public step
     def step(self, batch: dict[str, torch.Tensor], batch_ids: list[int], checked: bool = False) -> dict[str, Any]:

@@ -316,3 +316,17 @@ def test_target_label_source_trains_on_the_targets_tokens(target, demo, tmp_path
     judge = Trainer(cfg, dcfg_for(cfg, layers=1), TARGET, "cpu", tmp_path / "j", write_metrics=False)
     judge.model.load_state_dict(td.model.state_dict())
     assert max(judge.evaluate(train[0], [0])["per_slot_acc"]) < 0.2
+
+
+def test_warm_up_falls_back_when_a_form_cannot_compile(few, tmp_path, caplog):
+    """Flex attention has no CPU backward: warm_up logs the failure naming the form and trains densely; the
+    weights are untouched by the warm-up."""
+    cfg = small_cfg()
+    tr = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path, write_metrics=False, attention="flex",
+                 compile_layers=False)
+    w0 = weights(tr)
+    with caplog.at_level("ERROR"):
+        tr.warm_up()
+    assert tr.attention == "dense" and "form=flex fallback=dense" in caplog.text
+    assert same(w0, weights(tr)) and all(p.grad is None for p in tr.params)
+    assert math.isfinite(tr.step(few[0], [0])["loss"])
