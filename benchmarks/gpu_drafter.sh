@@ -88,6 +88,17 @@ if has sweep2; then
   [ -n "$BEST" ] && step final_eval 170 python3 launch.py eval --drafter $BEST --baselines prompt-lookup \
     --output-json "$OUT/final_eval.json"
 fi
+if has final; then
+  echo "=== final (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
+  python3 launch.py train --producers cuda:0,cuda:0 --consumers cuda:0 --run-dir runs/final --data $REGEN \
+    --label-source target --target-layers 1,3,5,6,7 --lr 2e-3 --max-steps ${FINAL_STEPS:-3200} \
+    --checkpoint-every ${FINAL_CKPT:-800} "${EVAL2[@]}" "${ATTN_CFG[@]}" > "$OUT/run_final.txt" 2>&1 &
+  FINAL_PID=$!
+  ( sleep ${FINAL_S:-300}; pkill -INT -f "launch.py train" ) & KILLER=$!
+  wait $FINAL_PID; kill $KILLER 2>/dev/null
+  summarize final
+  step final_eval 200 python3 launch.py eval --drafter runs/final --baselines prompt-lookup --output-json "$OUT/final_eval.json"
+fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$LOG" 2>&1
 tar czf "$OUT/runs.tgz" runs/*/eval.jsonl runs/*/metrics.jsonl runs/*/summary.json runs/*/logs "$OUT"/*.txt 2>/dev/null
 echo "done t=$(( $(date +%s) - T0 ))s" | tee -a "$LOG"
