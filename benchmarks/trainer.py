@@ -58,7 +58,8 @@ H200_BF16_DENSE_TFLOPS = 989.4
 
 
 def make_batch(dcfg: DFlashConfig, seqs: int, seq_len: int, device, dtype, seed: int = 1) -> dict[str, torch.Tensor]:
-    """A packed batch of ``seqs`` sequences of ``seq_len`` random tokens with random hidden states."""
+    """A packed batch of ``seqs`` sequences of ``seq_len`` random tokens with random hidden states (and random
+    ``target_ids``, the labels of the default ``label_source=target``)."""
     t = seqs * seq_len
     n, h = dcfg.num_target_layers, dcfg.hidden_size
     g = torch.Generator().manual_seed(seed)
@@ -67,6 +68,7 @@ def make_batch(dcfg: DFlashConfig, seqs: int, seq_len: int, device, dtype, seed:
         "input_ids": torch.randint(4, dcfg.vocab_size, (t,), generator=g, dtype=torch.int32).to(device),
         "loss_mask": torch.ones(t, dtype=torch.uint8, device=device),
         "cu_seqlens": torch.arange(0, t + 1, seq_len, dtype=torch.int32),
+        "target_ids": torch.randint(4, dcfg.vocab_size, (t,), generator=g, dtype=torch.int32).to(device),
     }
 
 

@@ -128,7 +128,7 @@ class TrainerConfig:
     gamma: float | None = None         # loss decay; None = 7 for B=16, 5 for B=10, 4 for B=8, else B/2.3
     num_draft_layers: int | None = None  # None = number of captured target layers
     mask_token_id: int | None = None   # None = tokenizer's mask token, else its pad token
-    label_source: str = "data"         # data = the corpus's next tokens; target = the target's greedy next tokens
+    label_source: str = "target"       # target = the target's greedy next tokens (measured better); data = the corpus's
     distill_topk: int = 0              # > 0: the producer also sends the target's top-K log-probs; KL added to the loss
     distill_weight: float = 1.0        # weight of that KL term
     compile: bool | None = None        # torch.compile the draft layers; None = on CUDA (benchmarks/trainer.py)

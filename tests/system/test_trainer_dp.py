@@ -73,7 +73,7 @@ def _batches():
             ids, lm = ds[100 * i + 7 * j]
             n = 20 + 6 * j
             seqs.append((torch.from_numpy(ids[40:40 + n].copy()), torch.from_numpy(lm[40:40 + n].copy())))
-        out.append(make_batch_in_process(target, seqs, LAYERS))
+        out.append(make_batch_in_process(target, seqs, LAYERS, target_ids=True))
     return out
 
 

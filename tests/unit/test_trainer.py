@@ -53,7 +53,7 @@ def make_batches(target, seqs, per_batch):
 
 
 def small_cfg(**kw):
-    base = dict(block_size=4, num_anchors=6, lr=3e-3, warmup_steps=2, max_steps=20, seed=0)
+    base = dict(block_size=4, num_anchors=6, lr=3e-3, warmup_steps=2, max_steps=20, seed=0, label_source="data")
     base.update(kw)
     return TrainerConfig(**base)
 
@@ -98,8 +98,11 @@ def cat_batches(bs):
     cu = [0]
     for b in bs:
         cu += [cu[-1] + int(x) for x in b["cu_seqlens"][1:]]
-    return {"hidden": torch.cat([b["hidden"] for b in bs]), "input_ids": torch.cat([b["input_ids"] for b in bs]),
-            "loss_mask": torch.cat([b["loss_mask"] for b in bs]), "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+    out = {"hidden": torch.cat([b["hidden"] for b in bs]), "input_ids": torch.cat([b["input_ids"] for b in bs]),
+           "loss_mask": torch.cat([b["loss_mask"] for b in bs]), "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+    if all("target_ids" in b for b in bs):
+        out["target_ids"] = torch.cat([b["target_ids"] for b in bs])
+    return out
 
 
 def test_lr_schedule():
@@ -274,7 +277,8 @@ def test_200_steps_on_the_demo_corpus_learn(target, demo, tmp_path):
     t0 = time.time()
     train = make_batches(target, windows(demo[0], 200, 64), 4)        # 50 batches, cycled
     held = make_batches(target, windows(demo[1], 16, 64), 4)          # 4 held-out batches
-    cfg = TrainerConfig(block_size=4, num_anchors=16, lr=3e-3, warmup_steps=10, max_steps=200, seed=0)
+    cfg = TrainerConfig(block_size=4, num_anchors=16, lr=3e-3, warmup_steps=10, max_steps=200, seed=0,
+                        label_source="data")
     tr = Trainer(cfg, dcfg_for(cfg, layers=2), TARGET, "cpu", tmp_path)
 
     def held_metrics():
