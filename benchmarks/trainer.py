@@ -118,6 +118,19 @@ def check_forms(trainers: dict[str, Trainer], batch: dict) -> None:
             print(f"check grad_max_rel_diff_{name}_vs_{ref_name}={rel:.2e}")
 
 
+def profile_steps(trainer: Trainer, batches: list[dict], steps: int, device, name: str) -> None:
+    """``steps`` training steps under ``torch.profiler``; prints the operators that take the most time."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for i in range(steps):
+            trainer.step(batches[i % 2], [2000 + (i % 2)])
+        sync(device)
+    key = "self_cuda_time_total" if torch.device(device).type == "cuda" else "self_cpu_time_total"
+    print(f"profile form={name} steps={steps}")
+    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -134,6 +147,9 @@ def main(argv=None) -> int:
                          "flex+compile: flex with the decoder layers under torch.compile)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
     ap.add_argument("--check", action="store_true", help="compare loss and gradients of the forms first")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after timing, profile N steps of each form with torch.profiler and print the top 25 "
+                         "operators by device (else CPU) time")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     tmp = tempfile.TemporaryDirectory()
@@ -173,6 +189,8 @@ def main(argv=None) -> int:
             print(f"form={name} FAILED {type(e).__name__}: {str(e)[:400]}")
             continue
         step_s = (time.perf_counter() - t0) / args.steps
+        if args.profile:
+            profile_steps(trainer, batches, args.profile, device, name)
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
         rate[name] = positions / step_s
         print(f"form={name} train_step_s={step_s:.4f} loss={r['loss']:.3f} peak_gpu_mem_gib={mem:.1f} "
