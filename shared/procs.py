@@ -75,7 +75,10 @@ def configure_logging(prefix: str, level: int = logging.INFO) -> None:
 
 @dataclass
 class Topology:
-    """What every child needs to find the others: written by the supervisor to ``run_dir/topology.json``."""
+    """What every child needs to find the others: written by the supervisor to ``run_dir/topology.json``.
+
+    ``supervisor_pid`` is the supervisor's pid in its own PID namespace (its children compare it with
+    ``getppid()``); other processes must not judge liveness by it (``supervisor.resume.run_dir_held``)."""
     run_id: str
     address: str
     rings: list[str]

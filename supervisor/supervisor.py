@@ -91,7 +91,7 @@ class Supervisor:
             log.info("sweep removed=%d segments=%s", len(removed), ",".join(removed))
         self.address = channel.coordinator_address(str(self.run_dir), cfg.tcp)
         if self.address.startswith("ipc://") and os.path.exists(self.address[6:]):
-            os.unlink(self.address[6:])  # stale socket of a dead run (the pid lock below ensures that)
+            os.unlink(self.address[6:])  # a dead run's: this launcher holds RUN_DIR/.lock (claim_run_dir)
         trained: set[int] = set()
         if cfg.resume:
             trained = self._trained_given if self._trained_given is not None else \

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,3 +148,20 @@ def metrics_batch_ids(run_dir: Path) -> list[int]:
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+PID_NAMESPACE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]  # prefix: run a command as pid 1
+
+
+def pid_namespace_problem() -> str:
+    """Why ``PID_NAMESPACE`` cannot run a command here ("" when it can): it needs util-linux's ``unshare`` and
+    root (CAP_SYS_ADMIN)."""
+    if shutil.which("unshare") is None:
+        return "unshare (util-linux) is not installed"
+    try:
+        out = subprocess.run([*PID_NAMESPACE, "true"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unshare --pid failed: {e}"
+    if out.returncode != 0:
+        return f"unshare --pid --fork --mount-proc needs root (CAP_SYS_ADMIN): {out.stderr.strip()}"
+    return ""

@@ -1,0 +1,122 @@
+"""System tests: runs, children and peers stay apart from each other (issue 14, items 1-3).
+
+* Two runs whose processes live in different PID namespaces but share ``/dev/shm`` (``docker --ipc=host``,
+  a shared volume): neither start-up, nor ``launch.py clean``, nor ``launch.py status`` may mistake the
+  other run's pids for its own, and a restarted producer of either still finds its ring.
+
+Each test starts the real launcher, kills real children, and cleans up stragglers in ``finally``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from shared.ring import sweep_stale
+
+from tests.system.launcher_util import (PID_NAMESPACE, REPO, child_pid, kill_tree, make_dataset, metrics_batch_ids,
+                                        pid_namespace_problem, segments_of, small_flags, start_launcher,
+                                        status_rows, summary, wait_for)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("data") / "small.arrow")
+
+
+def _run_id(run_dir: Path) -> str:
+    return json.loads((run_dir / "topology.json").read_text())["run_id"]
+
+
+def _host_pid(run_dir: Path, module: str, index: int) -> int | None:
+    """Host pid of the child ``python -m module --run-dir run_dir --index index`` (whatever its namespace)."""
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if module in cmd and str(run_dir) in cmd and "--index" in cmd and cmd[cmd.index("--index") + 1] == str(index):
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    return p.pid
+            except psutil.NoSuchProcess:
+                pass
+    return None
+
+
+def _running(run_dir: Path, role: str, index: int) -> bool:
+    """The supervisor reports ``role-index`` running (its pid may belong to another PID namespace)."""
+    return any(r["role"] == role and r["index"] == index and r["state"] == "running" for r in status_rows(run_dir))
+
+
+def _exactly_once(run_dir: Path, planned: int) -> dict:
+    s = summary(run_dir)
+    ids = metrics_batch_ids(run_dir)
+    assert s["exit_reason"] == "done" and s["lost_batches"] == 0 and s["duplicate_batches"] == 0, s
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == planned, (len(ids), s)
+    return s
+
+
+def test_runs_in_other_pid_namespaces_sharing_dev_shm_leave_each_other_alone(dataset, tmp_path):
+    """Run A in this PID namespace, run B in a new one (its supervisor is pid 1 there), one /dev/shm.
+    B's start-up sweep keeps A's live segments; ``launch.py clean`` and ``status`` here keep and see B's;
+    a SIGKILLed producer of each run comes back on its own ring; both runs train every batch once."""
+    problem = pid_namespace_problem()
+    if problem:
+        pytest.skip(problem)
+    run_a, run_b = tmp_path / "a", tmp_path / "b"
+    proc_a = start_launcher(small_flags(dataset, run_a, 2000, checkpoint_every=1000),
+                            log_path=tmp_path / "a.log")
+    proc_b = None
+    try:
+        wait_for(lambda: child_pid(run_a, "producer", 0) and child_pid(run_a, "producer", 1), 120, "run A's producers")
+        segs_a = segments_of(_run_id(run_a))
+        assert len(segs_a) == 2, segs_a
+        args_b = small_flags(dataset, run_b, 60)
+        proc_b = subprocess.Popen([*PID_NAMESPACE, sys.executable,
+                                   str(REPO / "launch.py"), "train", *args_b], cwd=REPO,
+                                  env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=open(tmp_path / "b.log", "wb"),
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for(lambda: _running(run_b, "producer", 0) and _running(run_b, "producer", 1), 120,
+                 "run B's producers (in their own PID namespace)")
+        assert json.loads((run_b / "topology.json").read_text())["supervisor_pid"] == 1
+        assert segments_of(_run_id(run_a)) == segs_a, "run B's start-up sweep removed run A's live segments"
+        segs_b = segments_of(_run_id(run_b))
+        assert len(segs_b) == 2, segs_b
+
+        out = subprocess.run([sys.executable, "launch.py", "clean", "--run-dir", str(run_b)], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert segments_of(_run_id(run_b)) == segs_b, f"clean here removed run B's live segments: {out.stdout}"
+        assert (run_b / "coord.sock").exists(), f"clean here removed run B's live socket: {out.stdout}"
+        out = subprocess.run([sys.executable, "launch.py", "status", "--run-dir", str(run_b)], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "producer-0" in out.stdout, (out.stdout, out.stderr)
+
+        os.kill(_host_pid(run_b, "producers.main", 0), signal.SIGKILL)  # B's restart attaches its ring again
+        os.kill(child_pid(run_a, "producer", 1), signal.SIGKILL)
+        wait_for(lambda: child_pid(run_a, "producer", 1, 2), 60, "run A's producer 1 back")
+        assert proc_b.wait(timeout=150) == 0, (tmp_path / "b.log").read_text()[-3000:]
+        s_b = _exactly_once(run_b, 60)
+        assert s_b["restarts"]["0"] >= 1, s_b
+        assert segments_of(_run_id(run_a)) == segs_a
+        os.kill(proc_a.pid, signal.SIGINT)
+        assert proc_a.wait(timeout=90) == 130, (tmp_path / "a.log").read_text()[-3000:]
+    finally:
+        for p in (proc_a, proc_b):
+            if p is not None and p.poll() is None:
+                kill_tree(p)
+                for run_dir in (run_a, run_b):  # what a SIGKILLed run leaves, the next start would sweep
+                    if (run_dir / "topology.json").is_file():
+                        sweep_stale(_run_id(run_dir))
+    assert summary(run_a)["exit_reason"] == "interrupted"
+    assert segments_of(_run_id(run_a)) == [] and segments_of(_run_id(run_b)) == []
+    log_b = (tmp_path / "b.log").read_text()
+    assert "does not exist" not in log_b and "FileNotFoundError" not in log_b
