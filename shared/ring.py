@@ -396,13 +396,28 @@ def segment_owned(name: str) -> bool:
     return False
 
 
+def _legacy_creator_alive(path: str, pid: int) -> bool:
+    """For segments of older builds, named ``specring-<run>-<pid>-<tag>`` and never locked: whether a process
+    with that pid and the recorded start time lives (in this PID namespace; the flaw that locks remove)."""
+    start = _process_start_time(pid)
+    if start is None:
+        return False
+    try:
+        with open(path, "rb") as f:
+            recorded = RING_HEADER.unpack(f.read(RING_HEADER.size))[6]
+    except (OSError, struct.error):
+        return True  # cannot tell: keep it
+    return recorded == 0.0 or abs(start - recorded) < 1.0
+
+
 def sweep_stale(run_id: str | None = None) -> list[str]:
     """Unlink specring segments that no live process owns; returns the names removed.
 
     A segment is owned while its creator holds the lock taken in ``Ring.create`` (until ``unlink()`` or the
     creator's exit, SIGKILL included), whatever PID namespace the creator lives in. The sweep takes the lock
     itself before unlinking, so an owned segment is never touched. With ``run_id``, only that run's segments
-    are considered. Names that do not parse are left alone.
+    are considered. Names that do not parse are left alone; names with a pid (older builds, no lock) are
+    removed only once that pid is dead too.
     """
     removed = []
     for name in list_segments():
@@ -410,6 +425,8 @@ def sweep_stale(run_id: str | None = None) -> list[str]:
         if not m or (run_id is not None and m["run"] != run_id):
             continue
         path = os.path.join(SHM_DIR, name)
+        if m["pid"] is not None and _legacy_creator_alive(path, int(m["pid"])):
+            continue  # an older build's segment (it takes no lock): judged by its creator's pid, as it was
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:

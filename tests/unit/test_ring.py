@@ -312,15 +312,18 @@ def test_pin_registers_in_place_and_unregisters_on_close(run_id):
 def test_sweep_removes_unowned_segments_and_keeps_owned_ones(owner, run_id):
     """Ownership is the creator's flock, not a pid: a file nobody locks is swept, one locked through any
     open file description (another process, another PID namespace) is kept."""
+    with open("/proc/sys/kernel/pid_max") as f:
+        dead_pid = int(f.read()) + 1  # no process can have this pid
     unowned = ring.segment_name(run_id, "dead")
-    legacy = f"{ring.NAME_PREFIX}{run_id}-1-p0"  # an older build's name, creator pid 1 (a container's)
+    legacy = f"{ring.NAME_PREFIX}{run_id}-{dead_pid}-p0"  # an older build's name (no lock): its pid is dead
+    legacy_live = f"{ring.NAME_PREFIX}{run_id}-{os.getpid()}-p1"  # ... and one whose creator still runs
     held = ring.segment_name(run_id, "held")
     other_run = ring.segment_name(run_id + "x", "dead")
     unparsable = f"{ring.NAME_PREFIX}{run_id}-not a tag"
     closed = Ring.create(ring.segment_name(run_id, "closed"), num_slots=1, slot_bytes=4096)
     closed.close()  # unmapped but not unlinked: its creator (this process) still owns it
     try:
-        for name in (unowned, legacy, held, other_run, unparsable):
+        for name in (unowned, legacy, legacy_live, held, other_run, unparsable):
             with open(shm_path(name), "wb") as f:
                 f.write(bytes(64))
         holder = os.open(shm_path(held), os.O_RDONLY)
@@ -328,7 +331,7 @@ def test_sweep_removes_unowned_segments_and_keeps_owned_ones(owner, run_id):
         assert ring.segment_owned(owner.name) and ring.segment_owned(held) and ring.segment_owned(closed.name)
         assert not ring.segment_owned(unowned) and not ring.segment_owned(ring.segment_name(run_id, "missing"))
         assert sorted(ring.sweep_stale(run_id)) == sorted([unowned, legacy])
-        for name in (owner.name, held, closed.name):
+        for name in (owner.name, held, closed.name, legacy_live):
             assert os.path.exists(shm_path(name)), f"sweep removed {name}, which a live process owns"
         assert os.path.exists(shm_path(other_run)), "sweep with a run id touched another run"
         assert os.path.exists(shm_path(unparsable))
@@ -339,7 +342,7 @@ def test_sweep_removes_unowned_segments_and_keeps_owned_ones(owner, run_id):
         assert ring.sweep_stale(run_id) == []
     finally:
         closed.unlink()
-        for name in (unowned, legacy, held, other_run, unparsable):
+        for name in (unowned, legacy, legacy_live, held, other_run, unparsable):
             if os.path.exists(shm_path(name)):
                 os.unlink(shm_path(name))
 
