@@ -23,7 +23,8 @@ tokens published over the last ~10 s), ``batches``, ``bad_batches``, ``tokens``,
 
 Environment (tests and chaos drills only): ``SPECRING_SLOW_WRITE_S=<seconds>`` sleeps between writing a
 slot and publishing it, so a test can SIGKILL a producer whose slot is WRITING;
-``SPECRING_INJECT_NONFINITE=<batch_id,...>`` puts a NaN into those batches' hidden states.
+``SPECRING_INJECT_NONFINITE=<batch_id,...>`` puts a NaN into those batches' hidden states; the hooks of
+``shared.faults`` (helper processes) are applied here too.
 
 The ring is closed (unpinned, unmapped) on exit and never unlinked: the supervisor owns it.
 """
@@ -38,7 +39,7 @@ import time
 
 import torch
 
-from shared import channel, messages
+from shared import channel, faults, messages
 from shared.data import TokenDataset, collate
 from shared.errors import ConfigError, MessageError, SlotError
 from shared.procs import ChildContext, child_main
@@ -188,10 +189,12 @@ def body(ctx: ChildContext) -> None:
         producer = Producer.from_config(cfg.producer, ctx.index, ring, ctx.generation,
                                         checksum=cfg.ring.checksum, slow_write_s=slow_write_s)
         pad_id = pick_pad_id(ds, producer.hf_config)
+        helpers = faults.start_helpers()  # tests only: processes the target code started and never stops
         log.info("serving ring=%s slots=%d slot_bytes=%d pinned=%s data=%s samples=%d pad_id=%d",
                  ring.name, ring.num_slots, ring.slot_bytes, ring.pinned, cfg.data.data, len(ds), pad_id)
         ctx.ready()
         ProducerLoop(ctx, producer, ds, pad_id).run()
+        del helpers
     finally:
         ring.close()
 

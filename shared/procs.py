@@ -6,6 +6,13 @@ supervisor can kill a child together with anything it started. On Linux each chi
 its parent dies (``PR_SET_PDEATHSIG``) and also watches ``getppid()`` as a fallback, so no child outlives a
 supervisor that was killed with SIGKILL.
 
+What a child starts (target code's helpers, compile workers) must not outlive it: the supervisor kills the
+child's process group whenever the child has exited, and, being a child subreaper
+(``PR_SET_CHILD_SUBREAPER``), gets back every orphaned descendant, also those that left the group with
+``setsid``; ``kill_orphans`` kills and reaps them. Every child and everything it starts carries the run id
+in its environment (``SPECRING_RUN_ID``), so what survives a SIGKILLed supervisor is found by the next
+start or ``launch.py clean`` (``sweep_run_processes``).
+
 ``child_main`` is the template of STYLE.md §8: process title, signal handlers that only set a flag, the
 body inside try/finally, a fatal error reported to the coordinator before exiting.
 """
@@ -26,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import zmq
 
 from shared import channel, messages
@@ -35,15 +43,18 @@ log = logging.getLogger(__name__)
 
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+RUN_ID_ENV = "SPECRING_RUN_ID"  # set in every child's environment; inherited by whatever it starts
 EXIT_OK, EXIT_ERROR = 0, 1
 
 
-def _prctl(option: int, arg: int) -> None:
+def _prctl(option: int, arg: int) -> bool:
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
+            return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
         except (OSError, AttributeError):
             pass
+    return False
 
 
 def set_process_title(title: str) -> None:
@@ -59,6 +70,71 @@ def set_process_title(title: str) -> None:
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     """Ask the kernel to send ``sig`` to this process when its parent exits (Linux only)."""
     _prctl(PR_SET_PDEATHSIG, int(sig))
+
+
+def become_subreaper() -> bool:
+    """Make this process the child subreaper of its descendants (Linux ``PR_SET_CHILD_SUBREAPER``): a
+    descendant whose parent dies becomes this process's child instead of init's, so ``kill_orphans`` can
+    find it. Returns whether it took effect (False elsewhere than Linux)."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def kill_orphans(keep: set[int]) -> tuple[list[tuple[int, str]], int]:
+    """SIGKILL every child of this process whose pid is not in ``keep``, and reap those that have exited.
+
+    With ``become_subreaper()`` these children are orphans: descendants whose own parent is gone (a dead
+    child's helpers, a daemon that double-forked). Never blocks: one still dying is reaped by a later call.
+    Returns ``([(pid, command line)] signalled now, number of such children not yet reaped)``.
+    """
+    try:
+        kids = psutil.Process().children()
+    except psutil.Error:
+        return [], 0
+    killed, pending = [], 0
+    for p in kids:
+        if p.pid in keep:
+            continue
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                cmd = " ".join(p.cmdline())[:200]
+                p.kill()  # psutil checks that the pid still names this very process
+                killed.append((p.pid, cmd))
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+        except psutil.AccessDenied:
+            log.warning("kill_orphan pid=%d failed=access_denied", p.pid)
+        try:
+            if os.waitpid(p.pid, os.WNOHANG)[0] == 0:
+                pending += 1
+        except ChildProcessError:
+            pass
+    return killed, pending
+
+
+def sweep_run_processes(run_alive: Callable[[str], bool]) -> list[tuple[int, str, str]]:
+    """SIGKILL processes that carry ``SPECRING_RUN_ID`` of a run for which ``run_alive(run_id)`` is False:
+    what a SIGKILLed supervisor's children had started. Returns ``[(pid, run id, command line)]``.
+
+    Only processes this user may read are seen (others are skipped), and only in this PID namespace.
+    """
+    out, me, alive = [], os.getpid(), {}
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        try:
+            rid = p.environ().get(RUN_ID_ENV)
+            if not rid:
+                continue
+            if rid not in alive:
+                alive[rid] = run_alive(rid)
+            if alive[rid]:
+                continue
+            cmd = " ".join(p.cmdline())[:200]
+            p.kill()
+            out.append((p.pid, rid, cmd))
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+    return out
 
 
 def configure_logging(prefix: str, level: int = logging.INFO) -> None:

@@ -396,6 +396,12 @@ def segment_owned(name: str) -> bool:
     return False
 
 
+def run_owned(run_id: str) -> bool:
+    """Whether a live process owns any segment of run ``run_id`` (``segment_owned``): the run is going."""
+    prefix = f"{NAME_PREFIX}{run_id}-"
+    return any(segment_owned(n) for n in list_segments() if n.startswith(prefix))
+
+
 def _legacy_creator_alive(path: str, pid: int) -> bool:
     """For segments of older builds, named ``specring-<run>-<pid>-<tag>`` and never locked: whether a process
     with that pid and the recorded start time lives (in this PID namespace; the flaw that locks remove)."""

@@ -329,12 +329,15 @@ def restart_main(argv: list[str]) -> int:
 
 
 def clean_main(argv: list[str]) -> int:
-    """``launch.py clean``: remove segments and socket files of runs whose supervisor is dead."""
+    """``launch.py clean``: remove segments, socket files and processes of runs whose supervisor is dead."""
     ap = argparse.ArgumentParser(prog="launch.py clean")
     ap.add_argument("--run-dir", action="append", default=[], help="also look in this run directory (repeatable)")
     args = ap.parse_args(argv)
     from supervisor.resume import stale_sockets
-    from shared.ring import sweep_stale
+    from shared.procs import sweep_run_processes
+    from shared.ring import run_owned, sweep_stale
+    for pid, run_id, cmd in sweep_run_processes(run_owned):
+        print(f"killed process {pid} of run {run_id} (its supervisor is gone): {cmd}")
     removed = sweep_stale()
     dirs = [Path(d) for d in args.run_dir] + sorted((REPO_ROOT / "runs").glob("*"))
     socks = []

@@ -12,7 +12,10 @@ Guarantees: a producer's unpublished slots are reclaimed only after its process 
 consumer's death ends the run with its last checkpoint kept (``--resume`` continues), and a run whose
 final checkpoint was not written is never reported ``done``; rings and the socket
 are removed in ``finally`` whatever happens, and a SIGKILL of the supervisor itself leaves children that
-die within a second or two (parent-death signal) and segments that the next start sweeps.
+die within a second or two (parent-death signal) and segments that the next start sweeps. Nothing a child
+started outlives the child's exit or the run: the child's process group is killed once it has exited, and
+the supervisor, a child subreaper, kills the orphans that come back to it (``shared.procs``); after a
+SIGKILL of the supervisor, the next start or ``launch.py clean`` kills them by their ``SPECRING_RUN_ID``.
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ import zmq
 from shared import channel, messages as m
 from shared.config import RunConfig
 from shared.errors import MessageError
-from shared.procs import Topology, kill_group, parse_identity, peer_identity, spawn_child, terminate
-from shared.ring import Ring, check_shm_space, new_run_id, segment_bytes, segment_name, sweep_stale
+from shared.procs import (RUN_ID_ENV, Topology, become_subreaper, kill_group, kill_orphans, parse_identity,
+                          peer_identity, spawn_child, sweep_run_processes, terminate)
+from shared.ring import Ring, check_shm_space, new_run_id, run_owned, segment_bytes, segment_name, sweep_stale
 from supervisor.coordinator import Coordinator
 from supervisor.monitor import Child, HealthMonitor
 from supervisor.progress import Progress
@@ -43,6 +47,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 STATUS_EVERY_S = 1.0
+ORPHAN_REAP_S = 3.0  # at the end, how long to wait for killed orphans to be reaped
 SHUTDOWN_CAP_FACTOR = 5  # a consumer still heartbeating after shutdown is waited for at most this many shutdown_timeout_s
 
 
@@ -79,6 +84,7 @@ class Supervisor:
         self.consumer_error = ""
         self.rejected_frames = 0
         self.coordinator: Coordinator | None = None
+        self._orphans_seen: set[int] = set()
 
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> None:
@@ -86,6 +92,8 @@ class Supervisor:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
         (self.run_dir / "logs").mkdir(exist_ok=True)
+        for pid, run_id, cmd in sweep_run_processes(run_owned):
+            log.warning("sweep process pid=%d run_id=%s cmd=%r reason=run_gone", pid, run_id, cmd)
         removed = sweep_stale()
         if removed:
             log.info("sweep removed=%d segments=%s", len(removed), ",".join(removed))
@@ -120,10 +128,10 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         module = "producers.main" if child.role == "producer" else "consumer.main"
-        env = {}
+        env = {RUN_ID_ENV: self.run_id}  # inherited by all it starts: the next start finds leftovers by it
         if child.role == "consumer":
-            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.dist_port),
-                   "WORLD_SIZE": str(len(self.consumers)), "RANK": str(child.index)}
+            env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.dist_port),
+                        "WORLD_SIZE": str(len(self.consumers)), "RANK": str(child.index)})
         proc = spawn_child(module, str(self.run_dir), child.index, child.generation,
                            self.run_dir / "logs" / f"{child.name}.log", env=env)
         self.monitor.started(child, proc)
@@ -265,11 +273,28 @@ class Supervisor:
             pass
 
     # ------------------------------------------------------------------ children
+    def _kill_orphans(self) -> int:
+        """Kill and reap processes that a child started and left behind (its helpers once it has exited: the
+        supervisor is their subreaper); returns how many are still dying."""
+        keep = {c.proc.pid for c in self.producers + self.consumers if c.proc is not None}
+        killed, pending = kill_orphans(keep)
+        for pid, cmd in killed:
+            if pid not in self._orphans_seen:
+                self._orphans_seen.add(pid)
+                log.warning("kill_orphan pid=%d cmd=%r reason=parent_exited", pid, cmd)
+        return pending
+
+    def _exited(self, child: Child) -> None:
+        """``child`` has exited (and been reaped): nothing it started may outlive it."""
+        kill_group(child.proc, signal.SIGKILL)
+        self._kill_orphans()
+
     def _watch(self) -> None:
         co = self.coordinator
         now = time.monotonic()
         for child in self.producers:
             if child.proc is not None and child.proc.poll() is not None and child.state not in ("backoff", "failed", "exited"):
+                self._exited(child)
                 code = child.proc.returncode
                 child.last_exitcode = code
                 graceful = child.graceful_restart
@@ -298,6 +323,7 @@ class Supervisor:
                     child.proc.wait()  # reaped before its slots are reused (next pass sees the exit)
         for child in self.consumers:
             if child.proc is not None and child.proc.poll() is not None and child.state not in ("exited", "failed"):
+                self._exited(child)
                 code = child.proc.returncode
                 child.last_exitcode = code
                 if code == 0 and self.stop_reason:
@@ -319,6 +345,9 @@ class Supervisor:
     def run(self) -> Outcome:
         """Run to completion; always cleans up. Returns the exit reason and process exit code."""
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        if not become_subreaper():
+            log.warning("subreaper=unavailable: processes that a child starts outside its process group may "
+                        "outlive it")
         self.progress = Progress(total_steps=self.plan.total_steps, num_producers=len(self.producers))
         try:
             self._setup()
@@ -374,6 +403,7 @@ class Supervisor:
             now = time.monotonic()
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
+                self._kill_orphans()  # e.g. a daemon that a live child's helper double-forked
                 self.progress.refresh(co, self.producers, self.tokens_per_s())
                 self._write_status()
 
@@ -434,6 +464,9 @@ class Supervisor:
                 if c.state not in ("failed",):
                     c.state = "exited"
                 c.last_exitcode = code
+        deadline = time.monotonic() + ORPHAN_REAP_S
+        while self._kill_orphans() and time.monotonic() < deadline:
+            time.sleep(0.02)
         for ring in self.rings:
             ring.close()
             ring.unlink()

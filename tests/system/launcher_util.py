@@ -165,3 +165,21 @@ def pid_namespace_problem() -> str:
     if out.returncode != 0:
         return f"unshare --pid --fork --mount-proc needs root (CAP_SYS_ADMIN): {out.stderr.strip()}"
     return ""
+
+
+def fault_helpers(run_dir: Path, index: int | str = "*") -> list[int]:
+    """Pids of the helper processes that producer ``index`` (default: every producer) of ``run_dir`` started
+    under ``SPECRING_FAULT_HELPERS=1`` (from the logs: ``fault helper pid=N``), every generation."""
+    out = []
+    for log in sorted((run_dir / "logs").glob(f"producer-{index}.log")):
+        out += [int(line.split("pid=")[1].split()[0]) for line in log.read_text().splitlines()
+                if "fault helper pid=" in line]
+    return out
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` names a process that has not exited (a zombie counts as exited)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -3,6 +3,8 @@
 * Two runs whose processes live in different PID namespaces but share ``/dev/shm`` (``docker --ipc=host``,
   a shared volume): neither start-up, nor ``launch.py clean``, nor ``launch.py status`` may mistake the
   other run's pids for its own, and a restarted producer of either still finds its ring.
+* Processes that a child started (target code's helpers, in the child's process group or in a session of
+  their own) do not outlive the child's restart, nor the run.
 
 Each test starts the real launcher, kills real children, and cleans up stragglers in ``finally``.
 """
@@ -22,8 +24,8 @@ import pytest
 
 from shared.ring import sweep_stale
 
-from tests.system.launcher_util import (PID_NAMESPACE, REPO, child_pid, kill_tree, make_dataset, metrics_batch_ids,
-                                        pid_namespace_problem, segments_of, small_flags, start_launcher,
+from tests.system.launcher_util import (PID_NAMESPACE, REPO, child_pid, fault_helpers, kill_tree, make_dataset,
+                                        metrics_batch_ids, pid_namespace_problem, process_alive, segments_of, small_flags, start_launcher,
                                         status_rows, summary, wait_for)
 
 pytestmark = pytest.mark.timeout(240)
@@ -120,3 +122,33 @@ def test_runs_in_other_pid_namespaces_sharing_dev_shm_leave_each_other_alone(dat
     assert segments_of(_run_id(run_a)) == [] and segments_of(_run_id(run_b)) == []
     log_b = (tmp_path / "b.log").read_text()
     assert "does not exist" not in log_b and "FileNotFoundError" not in log_b
+
+
+def test_processes_a_child_started_do_not_outlive_its_restart_or_the_run(dataset, tmp_path):
+    """Every producer starts two ``sleep 600`` helpers (one escapes its process group with setsid). After a
+    SIGKILL of producer 0 its helpers are gone before long; after the run (stopped by SIGINT), no helper is
+    left at all."""
+    run_dir = tmp_path / "run"
+    proc = start_launcher(small_flags(dataset, run_dir, 2000, checkpoint_every=1000),
+                          env={"SPECRING_FAULT_HELPERS": "1"}, log_path=tmp_path / "launcher.log")
+    helpers: list[int] = []
+    try:
+        pid = wait_for(lambda: child_pid(run_dir, "producer", 0), 120, "producer 0 running")
+        wait_for(lambda: len(fault_helpers(run_dir)) == 4, 30, "the producers' helpers")
+        first = fault_helpers(run_dir, 0)
+        assert len(first) == 2 and all(process_alive(h) for h in first)
+        os.kill(pid, signal.SIGKILL)
+        wait_for(lambda: child_pid(run_dir, "producer", 0, 2), 60, "producer 0 generation 2")
+        wait_for(lambda: not any(process_alive(h) for h in first), 10,
+                 f"the helpers {first} of the killed producer 0 to be gone")
+        wait_for(lambda: len(fault_helpers(run_dir)) == 6, 30, "generation 2's helpers")
+        os.kill(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=90)
+    finally:
+        helpers = fault_helpers(run_dir)
+        kill_tree(proc, [h for h in helpers if process_alive(h)])
+    assert code == 130, (tmp_path / "launcher.log").read_text()[-3000:]
+    left = [h for h in helpers if process_alive(h)]
+    assert not left, f"helpers outlived the run: {left}"
+    assert "kill_orphan" in (tmp_path / "launcher.log").read_text()
+
