@@ -16,6 +16,11 @@ die within a second or two (parent-death signal) and segments that the next star
 started outlives the child's exit or the run: the child's process group is killed once it has exited, and
 the supervisor, a child subreaper, kills the orphans that come back to it (``shared.procs``); after a
 SIGKILL of the supervisor, the next start or ``launch.py clean`` kills them by their ``SPECRING_RUN_ID``.
+
+No peer of the socket can stall the loop or the signal path: sends never block (a peer whose queue is full
+is dropped, a lease or delivery rolled back), operator commands are rate-limited per peer and in all
+(``supervisor.peers``), at most ``MAX_FRAMES_PER_TURN`` frames are handled between two looks at the children
+and the stop flag, and lines about bad peers are rate-limited. A signal only sets the stop flag.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from shared.procs import (RUN_ID_ENV, Topology, become_subreaper, kill_group, ki
 from shared.ring import Ring, check_shm_space, new_run_id, run_owned, segment_bytes, segment_name, sweep_stale
 from supervisor.coordinator import Coordinator
 from supervisor.monitor import Child, HealthMonitor
+from supervisor.peers import CommandGate, LogLimiter
 from supervisor.progress import Progress
 from supervisor.resume import checkpoint_step_on_disk, read_trained_from_checkpoint
 from supervisor.runplan import RunPlan
@@ -48,6 +54,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05
 STATUS_EVERY_S = 1.0
 ORPHAN_REAP_S = 3.0  # at the end, how long to wait for killed orphans to be reaped
+MAX_FRAMES_PER_TURN = 500  # frames handled before the loop pumps, watches children and checks for a stop
+LOG_EVERY_S = 10.0  # one log line per peer and kind of rejection this often at most
 SHUTDOWN_CAP_FACTOR = 5  # a consumer still heartbeating after shutdown is waited for at most this many shutdown_timeout_s
 
 
@@ -85,6 +93,9 @@ class Supervisor:
         self.rejected_frames = 0
         self.coordinator: Coordinator | None = None
         self._orphans_seen: set[int] = set()
+        self.gate = CommandGate()           # operator commands: rate-limited per peer, non-readers dropped
+        self.log_limiter = LogLimiter(LOG_EVERY_S)
+        self.refused_commands = 0
 
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> None:
@@ -167,19 +178,25 @@ class Supervisor:
 
     def _handle(self, peer: bytes, msg) -> None:
         co = self.coordinator
-        sender = peer.decode(errors="replace")
+        sender = peer_name(peer)
         if isinstance(msg, MessageError):
             self.rejected_frames += 1
-            log.warning("reject frame peer=%s error=%s", sender, msg)
+            self._warn_limited(("frame", peer), "reject frame peer=%s error=%s", sender, msg)
             return
         if isinstance(msg, m.Command):
+            why = self.gate.admit(peer)
+            if why:
+                self.refused_commands += 1
+                self._warn_limited(("command", peer), "command_refused peer=%s action=%s reason=%s", sender,
+                                   msg.action, why)
+                return
             self._command(peer, msg)
             return
         ident = parse_identity(peer)
         child = self._child(ident[0], ident[1]) if ident else None
         if child is None:
             self.rejected_frames += 1
-            log.warning("reject kind=%s peer=%s reason=unknown_peer", msg.KIND, sender)
+            self._warn_limited(("unknown", peer), "reject kind=%s peer=%s reason=unknown_peer", msg.KIND, sender)
             return
         role, peer_gen = ident[0], ident[2]
         if isinstance(msg, m.Error):  # logged even from a dead incarnation: it may say why it died
@@ -269,8 +286,18 @@ class Supervisor:
             reply = m.Reply(ok=False, text=f"unknown command {cmd.action!r} {cmd.role!r} {cmd.index}")
         try:
             channel.send(self.router, reply, to=peer)
+        except zmq.Again:  # its queue is full: it does not read what it asked for
+            self.gate.drop(peer)
+            self._warn_limited(("drop", peer), "peer_dropped peer=%s reason=not_reading drop_s=%g",
+                               peer_name(peer), self.gate.drop_s)
         except zmq.ZMQError:
-            pass
+            pass  # gone already
+
+    def _warn_limited(self, key, fmt: str, *args) -> None:
+        """``log.warning`` at most once per ``LOG_EVERY_S`` per key (a peer's flood is not a log flood)."""
+        if self.log_limiter.allow(key):
+            held = self.log_limiter.held(key)
+            log.warning(fmt + (f" (and {held} more like it in the last {LOG_EVERY_S:g} s)" if held else ""), *args)
 
     # ------------------------------------------------------------------ children
     def _kill_orphans(self) -> int:
@@ -392,9 +419,11 @@ class Supervisor:
         next_status = 0.0
         while not self.stop_reason:
             got = channel.recv_from(self.router, POLL_S)
-            while got is not None:
+            handled = 0
+            while got is not None:  # bounded: a flood of frames must not keep the children unwatched
                 self._handle_safely(*got)
-                got = channel.recv_from(self.router, 0)
+                handled += 1
+                got = channel.recv_from(self.router, 0) if handled < MAX_FRAMES_PER_TURN else None
             for role, index, msg in co.pump():
                 self._send(role, index, msg)
             self._watch()
@@ -534,6 +563,7 @@ class Supervisor:
             "elapsed_s": round(elapsed, 2),
             "rejected_messages": dict(co.rejected) if co else {},
             "rejected_frames": self.rejected_frames,
+            "refused_commands": self.refused_commands,
             "last_checkpoint": self.last_checkpoint,
             "tau_last": self._tau_last(),
         }
@@ -542,6 +572,14 @@ class Supervisor:
         tmp.write_text(json.dumps(summary, indent=1))
         os.replace(tmp, p)
         self.summary = summary
+
+
+def peer_name(peer: bytes) -> str:
+    """A peer identity for a log line: as is when printable ASCII (children, ``launch.py``), else hex (the
+    random binary identity ZeroMQ gives an anonymous peer), so no log line carries raw bytes."""
+    if peer and all(32 < b < 127 for b in peer):
+        return peer.decode()
+    return "0x" + peer.hex()
 
 
 def _free_port() -> int:

@@ -5,6 +5,8 @@
   other run's pids for its own, and a restarted producer of either still finds its ring.
 * Processes that a child started (target code's helpers, in the child's process group or in a session of
   their own) do not outlive the child's restart, nor the run.
+* A client of the coordinator socket that sends thousands of commands and never reads its answers (or
+  sends garbage) stalls neither training, nor ``launch.py status``, nor SIGTERM.
 
 Each test starts the real launcher, kills real children, and cleans up stragglers in ``finally``.
 """
@@ -21,7 +23,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+import zmq
 
+from shared import messages as m
 from shared.ring import sweep_stale
 
 from tests.system.launcher_util import (PID_NAMESPACE, REPO, child_pid, fault_helpers, kill_tree, make_dataset,
@@ -152,3 +156,48 @@ def test_processes_a_child_started_do_not_outlive_its_restart_or_the_run(dataset
     assert not left, f"helpers outlived the run: {left}"
     assert "kill_orphan" in (tmp_path / "launcher.log").read_text()
 
+
+
+def _steps(run_dir: Path) -> int:
+    try:
+        return len((run_dir / "metrics.jsonl").read_text().splitlines())
+    except OSError:
+        return 0
+
+
+def test_a_client_that_never_reads_stalls_neither_training_nor_status_nor_signals(dataset, tmp_path):
+    """12,000 ``status`` commands and 2,000 garbage frames from a DEALER that never receives: training goes
+    on, ``launch.py status`` answers, still after the client is gone, and SIGTERM stops the run."""
+    run_dir = tmp_path / "run"
+    proc = start_launcher(small_flags(dataset, run_dir, 2000, checkpoint_every=1000), log_path=tmp_path / "l.log")
+    zctx = zmq.Context()
+    try:
+        wait_for(lambda: _steps(run_dir) >= 3, 120, "training to start")
+        addr = json.loads((run_dir / "topology.json").read_text())["address"]
+        flood = zctx.socket(zmq.DEALER)
+        flood.setsockopt(zmq.SNDHWM, 0)  # queue everything: the supervisor's side decides what to do with it
+        flood.setsockopt(zmq.LINGER, 0)
+        flood.connect(addr)
+        status = m.encode(m.Command(action="status"))
+        for i in range(12_000):
+            flood.send(status)
+            if i % 6 == 0:
+                flood.send(b"\xc1 not msgpack")
+        before = _steps(run_dir)
+        wait_for(lambda: _steps(run_dir) >= before + 5, 30, "training to go on while the client never reads")
+        out = subprocess.run([sys.executable, "launch.py", "status", "--run-dir", str(run_dir)], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "producer-0" in out.stdout, (out.stdout, out.stderr)
+        flood.close()
+        before = _steps(run_dir)
+        wait_for(lambda: _steps(run_dir) >= before + 5, 30, "training to go on after the client left")
+        os.kill(proc.pid, signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+        zctx.destroy(linger=0)
+    log = (tmp_path / "l.log").read_text()
+    assert code == 130, log[-3000:]
+    assert "command_refused" in log and log.count("reject frame") < 100, log[-3000:]
+    assert summary(run_dir)["exit_reason"] == "interrupted"
