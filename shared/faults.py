@@ -8,6 +8,13 @@ reads it, so a hook left on is visible in the logs. Hooks read here:
     own process group, one in a session of its own (``setsid``, out of reach of a group kill). Neither may
     outlive the producer's restart or the run.
 
+``SPECRING_SLOW_FORWARD_S=<seconds>``
+    The producer sleeps this long in every batch, before the forward (a long sequence on a big target, a
+    cold compile): the batch takes longer, the process stays healthy.
+``SPECRING_STALL_FORWARD=<index>:<generation>``
+    That producer incarnation never returns from its first batch (it waits on an event nobody sets, as a
+    deadlock in the forward would): its process and its heartbeat thread live on, its batch never ends.
+
 Hooks read where they act: ``SPECRING_SLOW_WRITE_S`` (``producers.main``), ``SPECRING_INJECT_NONFINITE``
 (``producers.producer``), ``SPECRING_SLOW_CHECKPOINT_S`` (``consumer.checkpoint``), ``SPECRING_SLOW_EVAL_S``
 (``consumer.evaluate``).
@@ -18,12 +25,16 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import threading
+import time
 
 from shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 HELPERS_ENV = "SPECRING_FAULT_HELPERS"
+SLOW_FORWARD_ENV = "SPECRING_SLOW_FORWARD_S"
+STALL_FORWARD_ENV = "SPECRING_STALL_FORWARD"
 
 
 def flag(name: str) -> bool:
@@ -46,3 +57,50 @@ def start_helpers() -> list[subprocess.Popen]:
         log.warning("fault helper pid=%d session=%s", p.pid, "own" if own_session else "group")
         helpers.append(p)
     return helpers
+
+
+def seconds(name: str) -> float:
+    """``$name`` as seconds (0 when unset or empty); ``ConfigError`` naming it if not a finite number >= 0."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise ConfigError(f"{name}={text!r} must be a finite number >= 0")
+    return value
+
+
+def stall_target() -> tuple[int, int] | None:
+    """``$SPECRING_STALL_FORWARD`` as ``(producer index, generation)``; None when unset; ``ConfigError``
+    naming it unless it reads ``<index>:<generation>`` with integers >= 0 and >= 1."""
+    text = os.environ.get(STALL_FORWARD_ENV, "").strip()
+    if not text:
+        return None
+    index, sep, gen = text.partition(":")
+    if not (sep and index.isdigit() and gen.isdigit() and int(gen) >= 1):
+        raise ConfigError(f"{STALL_FORWARD_ENV}={text!r} must read <producer index>:<generation>, e.g. 0:1")
+    return int(index), int(gen)
+
+
+class ForwardFaults:
+    """The forward hooks of one producer incarnation (``SPECRING_SLOW_FORWARD_S``, ``SPECRING_STALL_FORWARD``),
+    read once at start-up; ``before_forward()`` applies them. Raises ``ConfigError`` for bad values."""
+
+    def __init__(self, index: int, generation: int):
+        self.slow_s = seconds(SLOW_FORWARD_ENV)
+        self.stall = stall_target() == (index, generation)
+        if self.slow_s:
+            log.warning("fault slow_forward_s=%g", self.slow_s)
+        if self.stall:
+            log.warning("fault stall_forward index=%d generation=%d", index, generation)
+
+    def before_forward(self) -> None:
+        """Sleep ``slow_s``; under a stall, never return (the GIL is released, as in a real deadlock)."""
+        if self.slow_s:
+            time.sleep(self.slow_s)
+        if self.stall:
+            log.warning("fault stalling forever")
+            threading.Event().wait()

@@ -28,7 +28,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -175,7 +178,19 @@ class Topology:
 
 @dataclass
 class ChildContext:
-    """Handed to a child's body: its identity, configuration, socket, and the stop flag."""
+    """Handed to a child's body: its identity, configuration, socket, and the stop flag.
+
+    Liveness: after ``ready()`` a thread of its own sends a ``Heartbeat`` every
+    ``monitor.heartbeat_interval_s``, also while the main thread is busy (a forward, a training step, a
+    checkpoint) for longer than ``hang_timeout_s``. Each heartbeat says what the main thread is doing and for
+    how long (``work``: e.g. ``"batch 17"``, ``""`` when idle; ``work_s``: seconds in that piece of work, or
+    since the main loop last turned when idle), so the monitor still finds a main thread that is stuck while
+    the heartbeat thread runs (``supervisor.monitor``). The body marks its work with ``working()`` and calls
+    ``tick()`` once per turn of its loop. A process that is stopped (SIGSTOP) or stuck holding the GIL sends
+    no heartbeat at all.
+
+    The socket is used by both threads, never at once (``_sock_lock``); use ``send``/``recv``, not ``sock``.
+    """
     role: str
     index: int
     generation: int
@@ -186,6 +201,12 @@ class ChildContext:
     stop_reason: str = ""
     said_hello: bool = False
     parent_pid: int = field(default_factory=os.getppid)
+    stats: Callable[[], dict] | None = None   # the role's heartbeat figures (tokens_per_s, ...)
+    _work: tuple[str, float] = field(default_factory=lambda: ("", time.monotonic()))  # (what, since): one store
+    _sock_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _hb_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _hb_stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _hb_thread: threading.Thread | None = None
 
     @property
     def stopping(self) -> bool:
@@ -194,16 +215,92 @@ class ChildContext:
             self.stop_reason = "parent exited"
         return bool(self.stop_reason)
 
-    def send(self, msg) -> None:
-        channel.send(self.sock, msg)
+    def send(self, msg, block: bool = True) -> bool:
+        """Send ``msg`` to the coordinator; returns False only when ``block`` is False and the queue is full."""
+        with self._sock_lock:
+            try:
+                channel.send(self.sock, msg, block=block)
+            except zmq.Again:
+                if block:
+                    raise
+                return False
+        return True
+
+    def recv(self, timeout_s: float | None):
+        """The next message from the coordinator, ``None`` after ``timeout_s`` (see ``channel.recv``)."""
+        with self._sock_lock:
+            return channel.recv(self.sock, timeout_s)
+
+    # ------------------------------------------------------------------ liveness
+    def tick(self) -> None:
+        """The main loop turned (call once per turn): an idle main thread is not stuck."""
+        if not self._work[0]:
+            self._work = ("", time.monotonic())
+
+    @contextmanager
+    def working(self, what: str):
+        """Mark the main thread busy with ``what`` (e.g. ``"batch 17"``) for the ``with`` block; the monitor
+        then allows it ``batch_timeout_s`` instead of ``hang_timeout_s``. Nested, the outer work (and its
+        clock) is back when the inner block ends."""
+        outer = self._work
+        self._work = (what or "work", time.monotonic())
+        try:
+            yield
+        finally:
+            self._work = outer if outer[0] else ("", time.monotonic())
+
+    def progress(self, what: str) -> None:
+        """Inside ``working()``: the main thread moved on to a new piece of the work (``what``, e.g. the next
+        prompt of an evaluation); its clock starts again."""
+        if self._work[0]:
+            self._work = (what or "work", time.monotonic())
+
+    def work_stats(self) -> dict:
+        """``{"work": what the main thread is doing ("" idle), "work_s": for how long, in seconds}``."""
+        what, since = self._work
+        return {"work": what, "work_s": round(time.monotonic() - since, 3)}
+
+    def heartbeat(self, block: bool = True, **extra) -> bool:
+        """Send one ``Heartbeat`` now: ``stats()``, ``extra`` and ``work_stats()``. Returns False if it was
+        not queued (``block`` False and the queue full)."""
+        with self._hb_lock:
+            stats = {}
+            if self.stats is not None:
+                try:
+                    stats = dict(self.stats())
+                except Exception as e:  # figures are optional; the heartbeat is not
+                    stats = {"stats_error": f"{type(e).__name__}: {e}"[:200]}
+            stats.update(extra)
+            stats.update(self.work_stats())
+            return self.send(messages.Heartbeat(role=self.role, index=self.index, generation=self.generation,
+                                                pid=os.getpid(), stats=stats), block=block)
+
+    def _heartbeats(self) -> None:
+        interval_s = self.config.monitor.heartbeat_interval_s
+        while not self._hb_stop.wait(interval_s):
+            try:
+                self.heartbeat(block=False)  # a full queue means the supervisor is not reading: skip one
+            except Exception as e:  # the socket is closing; never let the thread die with a traceback
+                if not self._hb_stop.is_set():
+                    log.warning("heartbeat_failed error=%s: %s", type(e).__name__, e)
+
+    def stop_heartbeats(self) -> None:
+        """Stop the heartbeat thread and wait for it (before the socket is closed)."""
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=10)
+            self._hb_thread = None
 
     def ready(self) -> None:
-        """Say ``Hello``: the child is loaded and can take work. Call once, after the slow start-up
-        (model loading), so the monitor's hang clock starts only then (``startup_timeout_s`` covers
-        the time before)."""
+        """Say ``Hello``: the child is loaded and can take work, and start the heartbeat thread. Call once,
+        after the slow start-up (model loading), so the monitor's hang clock starts only then
+        (``startup_timeout_s`` covers the time before). Set ``stats`` first."""
         if not self.said_hello:
             self.send(messages.Hello(role=self.role, index=self.index, generation=self.generation, pid=os.getpid()))
             self.said_hello = True
+            self.tick()
+            self._hb_thread = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
+            self._hb_thread.start()
 
 
 def peer_identity(role: str, index: int, generation: int) -> str:
@@ -284,7 +381,8 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
     Parses ``--run-dir/--index/--generation``, sets the title and parent-death signal, installs
     SIGTERM/SIGINT handlers that only set the stop flag, connects the DEALER socket, runs ``body(ctx)``
     inside try/finally, and on an exception sends a fatal ``Error`` to the coordinator before exiting 1.
-    The body calls ``ctx.ready()`` (which sends ``Hello``) once it can take work.
+    The body calls ``ctx.ready()`` (which sends ``Hello`` and starts the heartbeat thread) once it can take
+    work; the thread is stopped before the socket is closed.
     """
     ap = argparse.ArgumentParser(description=module_doc)
     ap.add_argument("--run-dir", required=True)
@@ -324,6 +422,7 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
         except Exception:
             pass
     finally:
+        ctx.stop_heartbeats()
         sock.close(linger=channel.LINGER_MS)
         zctx.term()
     return code

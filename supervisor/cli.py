@@ -63,6 +63,8 @@ FLAGS = {
     "num_slots": ("ring", "num_slots", int, "slots per producer ring"),
     "slot_mb": ("ring", "slot_bytes", lambda s: int(float(s) * 2**20), "slot size in MiB (default: sized from the batch plan)"),
     "hang_timeout_s": ("monitor", "hang_timeout_s", float, "kill a child that sends no heartbeat and makes no progress this long"),
+    "batch_timeout_s": ("monitor", "batch_timeout_s", float, "kill a child whose main thread is on one batch (forward, "
+                        "training step, checkpoint) this long while its heartbeat goes on (a deadlock)"),
     "heartbeat_interval_s": ("monitor", "heartbeat_interval_s", float, "seconds between heartbeats"),
     "max_restarts": ("monitor", "max_restarts", int, "restarts of one producer allowed per window"),
 }

@@ -447,8 +447,8 @@ class Supervisor:
         """Ask consumers to checkpoint and exit, then stop producers.
 
         Consumers are waited for while they show signs of life: a consumer that has sent nothing (heartbeat,
-        ``Checkpointed``, ``Trained``) for ``shutdown_timeout_s`` is left to ``_cleanup`` (SIGTERM, then
-        SIGKILL). A final checkpoint and tau evaluation that keep heartbeating may take longer, up to
+        ``Checkpointed``, ``Trained``) for ``shutdown_timeout_s``, or whose main thread is stuck
+        (``HealthMonitor.stuck``), is left to ``_cleanup`` (SIGTERM, then SIGKILL). A final checkpoint and tau evaluation that keep heartbeating may take longer, up to
         ``SHUTDOWN_CAP_FACTOR * shutdown_timeout_s`` in all. A second signal stops waiting at once.
         """
         quiet_s = self.cfg.monitor.shutdown_timeout_s
@@ -461,7 +461,7 @@ class Supervisor:
 
         def lively(c) -> bool:  # one that never said Hello has trained nothing: _cleanup terminates it
             last = max(c.last_heartbeat, c.last_progress, start)
-            return c.alive() and c.hello and time.monotonic() - last < quiet_s
+            return c.alive() and c.hello and time.monotonic() - last < quiet_s and not self.monitor.stuck(c)
 
         while (any(lively(c) for c in self.consumers) and self.signals < 2
                and time.monotonic() - start < SHUTDOWN_CAP_FACTOR * quiet_s):
