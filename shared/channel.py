@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-import time
+import secrets
 from typing import Any
 
 import zmq
@@ -124,7 +124,9 @@ def request(address: str, msg: Any, timeout_s: float = 5.0) -> Any:
     Raises ``PeerTimeout`` naming the address and duration if no answer comes.
     """
     ctx = zmq.Context.instance()
-    sock = connect_dealer(ctx, address, f"cli-{os.getpid()}-{time.monotonic_ns()}")
+    # random, not the pid: CLIs in other PID namespaces (containers) have the same pids, and a ROUTER ignores
+    # a second peer with an identity it already has
+    sock = connect_dealer(ctx, address, f"cli-{secrets.token_hex(8)}")
     try:
         send(sock, msg)
         reply = recv(sock, timeout_s)

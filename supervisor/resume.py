@@ -18,6 +18,7 @@ import fcntl
 import json
 import logging
 import os
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -143,7 +144,7 @@ def point_latest(run_dir: str) -> None:
     """Point ``runs/latest`` at ``run_dir`` (a directory under ``runs/``), atomically."""
     latest = latest_link()
     latest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = latest.with_name(f".latest-{os.getpid()}")
+    tmp = latest.with_name(f".latest-{secrets.token_hex(8)}")  # not the pid: launchers in containers share it
     if tmp.is_symlink():
         tmp.unlink()
     tmp.symlink_to(Path(run_dir).name)
