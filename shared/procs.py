@@ -9,9 +9,10 @@ supervisor that was killed with SIGKILL.
 What a child starts (target code's helpers, compile workers) must not outlive it: the supervisor kills the
 child's process group whenever the child has exited, and, being a child subreaper
 (``PR_SET_CHILD_SUBREAPER``), gets back every orphaned descendant, also those that left the group with
-``setsid``; ``kill_orphans`` kills and reaps them. Every child and everything it starts carries the run id
-in its environment (``SPECRING_RUN_ID``), so what survives a SIGKILLed supervisor is found by the next
-start or ``launch.py clean`` (``sweep_run_processes``).
+``setsid``. Every child and everything it starts carries the run id in its environment
+(``SPECRING_RUN_ID``): by it ``kill_orphans`` tells the run's orphans (killed and reaped) from other
+processes that a supervisor running as a container's pid 1 inherits (only reaped), and the next start or
+``launch.py clean`` finds what survived a SIGKILLed supervisor (``sweep_run_processes``).
 
 ``child_main`` is the template of STYLE.md §8: process title, signal handlers that only set a flag, the
 body inside try/finally, a fatal error reported to the coordinator before exiting.
@@ -82,12 +83,15 @@ def become_subreaper() -> bool:
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def kill_orphans(keep: set[int]) -> tuple[list[tuple[int, str]], int]:
-    """SIGKILL every child of this process whose pid is not in ``keep``, and reap those that have exited.
+def kill_orphans(keep: set[int], run_id: str) -> tuple[list[tuple[int, str]], int]:
+    """SIGKILL every child of this process that is not in ``keep`` and carries ``SPECRING_RUN_ID=run_id``;
+    reap every child not in ``keep`` that has exited.
 
-    With ``become_subreaper()`` these children are orphans: descendants whose own parent is gone (a dead
-    child's helpers, a daemon that double-forked). Never blocks: one still dying is reaped by a later call.
-    Returns ``([(pid, command line)] signalled now, number of such children not yet reaped)``.
+    With ``become_subreaper()`` such children are orphans: descendants whose own parent is gone (a dead
+    child's helpers, a daemon that double-forked). Others (a supervisor that is pid 1 of a container gets
+    every orphan of the container) are reaped when they exit, never killed. Never blocks: one still dying
+    is reaped by a later call. Returns ``([(pid, command line)] signalled now, number of this run's orphans
+    not yet reaped)``.
     """
     try:
         kids = psutil.Process().children()
@@ -98,16 +102,18 @@ def kill_orphans(keep: set[int]) -> tuple[list[tuple[int, str]], int]:
         if p.pid in keep:
             continue
         try:
-            if p.status() != psutil.STATUS_ZOMBIE:
+            ours = p.status() != psutil.STATUS_ZOMBIE and p.environ().get(RUN_ID_ENV) == run_id
+            if ours:
                 cmd = " ".join(p.cmdline())[:200]
                 p.kill()  # psutil checks that the pid still names this very process
                 killed.append((p.pid, cmd))
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
-            pass
+            ours = False
         except psutil.AccessDenied:
+            ours = False
             log.warning("kill_orphan pid=%d failed=access_denied", p.pid)
         try:
-            if os.waitpid(p.pid, os.WNOHANG)[0] == 0:
+            if os.waitpid(p.pid, os.WNOHANG)[0] == 0 and ours:
                 pending += 1
         except ChildProcessError:
             pass

@@ -304,7 +304,7 @@ class Supervisor:
         """Kill and reap processes that a child started and left behind (its helpers once it has exited: the
         supervisor is their subreaper); returns how many are still dying."""
         keep = {c.proc.pid for c in self.producers + self.consumers if c.proc is not None}
-        killed, pending = kill_orphans(keep)
+        killed, pending = kill_orphans(keep, self.run_id)
         for pid, cmd in killed:
             if pid not in self._orphans_seen:
                 self._orphans_seen.add(pid)

@@ -158,6 +158,40 @@ def test_processes_a_child_started_do_not_outlive_its_restart_or_the_run(dataset
 
 
 
+ORPHANS_SCRIPT = """
+import json, os, subprocess, sys, time
+from shared.procs import RUN_ID_ENV, become_subreaper, kill_orphans
+assert become_subreaper()
+env = dict(os.environ, **{RUN_ID_ENV: "run1"})
+other = {k: v for k, v in os.environ.items() if k != RUN_ID_ENV}
+# a shell that starts two sleeps and exits at once: both become orphans, i.e. children of this process
+sh = "sleep 60 >/dev/null 2>&1 & echo $!; env -u SPECRING_RUN_ID sleep 60 >/dev/null 2>&1 & echo $!"
+out = subprocess.run(["sh", "-c", sh], env=env, capture_output=True, text=True, start_new_session=True).stdout
+ours, foreign = (int(x) for x in out.split())
+killed, deadline = [], time.monotonic() + 10
+while time.monotonic() < deadline:
+    k, pending = kill_orphans(set(), "run1")
+    killed += [pid for pid, _ in k]
+    if killed and not pending:
+        break
+    time.sleep(0.02)
+alive = lambda pid: os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z"
+print(json.dumps({"killed": killed, "ours": ours, "foreign": foreign, "ours_alive": alive(ours),
+                  "foreign_alive": alive(foreign)}))
+os.kill(foreign, 9)
+"""
+
+
+def test_a_subreaper_kills_its_runs_orphans_and_leaves_other_orphans_alone():
+    """What a supervisor that is a container's pid 1 inherits from other processes (``docker exec ...&``)
+    is not killed; its own run's orphans (by their SPECRING_RUN_ID) are, and are reaped."""
+    out = subprocess.run([sys.executable, "-c", ORPHANS_SCRIPT], cwd=REPO, capture_output=True, text=True,
+                         timeout=60, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["killed"] == [r["ours"]] and not r["ours_alive"] and r["foreign_alive"], r
+
+
 def _steps(run_dir: Path) -> int:
     try:
         return len((run_dir / "metrics.jsonl").read_text().splitlines())
