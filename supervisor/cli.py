@@ -292,15 +292,21 @@ def status_main(argv: list[str]) -> int:
         return 0
     print(f"run {d['run_id']}  step {d['step']}  trained {d['trained']}/{d['planned']} batches  loss {_fmt(d['loss'])}")
     print(f"{'process':<12}{'pid':>8}{'gen':>5} {'state':<9}{'hb_age':>7}{'tok/s':>10}{'cpu%':>7}{'rss_MiB':>9}"
-          f"{'gpu_MiB':>9}{'restarts':>9}  ring F/W/R/r")
+          f"{'gpu_MiB':>9}{'restarts':>9}  {'ring F/W/R/r':<13} busy with")
     for r in d["rows"]:
         ring = r.get("ring")
         ring_s = "{FREE}/{WRITING}/{READY}/{READING}".format(**ring) if ring else ""
         print(f"{r['role'] + '-' + str(r['index']):<12}{r['pid'] or '-':>8}{r['generation']:>5} {r['state']:<9}"
               f"{_num(r.get('heartbeat_age_s'), '.1f'):>7}{_num(r.get('tokens_per_s'), ',.0f'):>10}"
               f"{_num(r.get('cpu_percent'), '.0f'):>7}{_num(_mib(r.get('rss_bytes')), '.0f'):>9}"
-              f"{_num(_mib(r.get('gpu_mem_bytes')), '.0f'):>9}{r['restarts']:>9}  {ring_s}")
+              f"{_num(_mib(r.get('gpu_mem_bytes')), '.0f'):>9}{r['restarts']:>9}  {ring_s:<13} {_work(r)}")
     return 0
+
+
+def _work(row: dict) -> str:
+    """``batch 17 for 3.2s`` (what the child's main thread is on, from its last heartbeat), ``-`` when idle."""
+    what, secs = row.get("work"), row.get("work_s")
+    return f"{what} for {secs:.1f}s" if what and isinstance(secs, (int, float)) else "-"
 
 
 def _mib(x):

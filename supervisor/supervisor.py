@@ -257,7 +257,7 @@ class Supervisor:
             row = {"role": c.role, "index": c.index, "pid": c.pid, "generation": c.generation,
                    "state": c.state, "heartbeat_age_s": round(now - c.last_heartbeat, 1) if c.hello else None,
                    "tokens_per_s": c.stats.get("tokens_per_s"), "gpu_mem_bytes": c.stats.get("gpu_mem_bytes"),
-                   "restarts": c.restarts}
+                   "restarts": c.restarts, "work": c.stats.get("work"), "work_s": c.stats.get("work_s")}
             row.update(self.monitor.sample(c))
             if c.role == "producer" and self.coordinator:
                 row["ring"] = self.coordinator.occupancy(c.index)
@@ -487,9 +487,13 @@ class Supervisor:
 
     def _cleanup(self) -> None:
         timeout = 0 if self.signals >= 2 else 5.0
+        for c in self.consumers + self.producers:  # all at once: the grace period is shared, not per child
+            if c.alive():
+                kill_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
         for c in self.consumers + self.producers:
             if c.proc is not None:
-                code = terminate(c.proc, timeout)
+                code = terminate(c.proc, max(0.0, deadline - time.monotonic()))
                 if c.state not in ("failed",):
                     c.state = "exited"
                 c.last_exitcode = code
