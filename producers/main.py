@@ -80,7 +80,9 @@ class ProducerLoop:
         self.producer = producer
         self.ds = ds
         self.pad_id = pad_id
-        self.rate_samples: collections.deque = collections.deque()
+        # (time, tokens) samples of the rate window; the first is taken now, before any batch, because the
+        # heartbeat thread's first call comes one interval later, when batches may already be published
+        self.rate_samples: collections.deque = collections.deque([(time.monotonic(), producer.stats.tokens)])
         self.pending: Pending | None = None
         self.seq = 0                       # per-ring publication counter of this incarnation
 
