@@ -7,7 +7,7 @@ Commands (the default is train):
   regenerate  rewrite training data with the target's own answers/continuations (loss on generated tokens)
   status    one line per process of a running run (--run-dir)
   restart   restart one producer of a running run gracefully (restart producer N --run-dir R)
-  clean     remove shared-memory segments and sockets left by runs whose supervisor died
+  clean     remove shared-memory segments, sockets and processes left by runs whose supervisor died
   eval      acceptance length tau by real speculative decoding with the target
   export    write a trained drafter as a DFlashDraftModel directory for SGLang/vLLM
   bench     run a benchmark from benchmarks/ (transport, producer, trainer, e2e)

@@ -12,6 +12,10 @@ aliases a slot.
 
 A slot that fails verification is answered with ``BadBatch`` (the coordinator re-produces the batch once);
 ``Shutdown`` makes rank 0 write a final checkpoint (all ranks have finished the same steps by then).
+
+Heartbeats come from a thread of their own (``shared.procs.ChildContext``) with ``tokens_per_s``, ``step``,
+``gpu_mem_bytes`` and what the main thread is doing (``work``: ``batch N``, ``checkpoint step N``, ``eval
+step N prompt k/n``) for how long, so a slow step or checkpoint write is not a hang and a stuck one is.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ from shared.errors import BadBatch as BadBatchError, MessageError, SlotError
 from shared.layout import read_tensors
 from shared.procs import ChildContext, child_main
 from shared.ring import Ring
-from shared import channel
 
 log = logging.getLogger("consumer")
+
+IDLE_POLL_S = 0.2  # the loop turns at least this often while idle
 
 
 class SlotReader:
@@ -79,8 +84,9 @@ def _init_distributed(ctx: ChildContext, device: torch.device):
         return 0, 1, None
     import torch.distributed as dist
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # a rank waits in a collective while another trains a slow batch: that is allowed batch_timeout_s
     dist.init_process_group(backend=backend, rank=ctx.index, world_size=world,
-                            timeout=timedelta(seconds=max(60.0, ctx.config.monitor.hang_timeout_s)))
+                            timeout=timedelta(seconds=max(60.0, ctx.config.monitor.batch_timeout_s)))
     log.info("distributed backend=%s rank=%d world_size=%d", backend, ctx.index, world)
     return ctx.index, world, dist.group.WORLD
 
@@ -137,34 +143,37 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
     from consumer.trainer import check_batch
 
     cfg = ctx.config
-    hb_every = cfg.monitor.heartbeat_interval_s
-    next_hb = 0.0
     tokens, t0 = 0, time.monotonic()
     last_ckpt_step = trainer.step_count
 
     last_loss: float | None = None
 
-    def heartbeat(**extra) -> None:
+    def stats() -> dict:  # called from the heartbeat thread
         now = time.monotonic()
-        stats = {"tokens_per_s": tokens / max(1e-9, now - t0), "step": trainer.step_count, **extra}
+        out = {"tokens_per_s": tokens / max(1e-9, now - t0), "step": trainer.step_count}
         if reader.device.type == "cuda":
-            stats["gpu_mem_bytes"] = torch.cuda.memory_allocated(reader.device)
-        ctx.send(m.Heartbeat(role="consumer", index=ctx.index, generation=ctx.generation, pid=os.getpid(),
-                             stats=stats))
+            out["gpu_mem_bytes"] = torch.cuda.memory_allocated(reader.device)
+        return out
+
+    ctx.stats = stats
+
+    def on_prompt(done: int, total: int) -> None:  # each prompt is a piece of work of its own
+        ctx.progress(f"eval step {trainer.step_count} prompt {done + 1}/{total}")
+        ctx.heartbeat(block=False, eval_prompts_done=done)
 
     def evaluate() -> None:
         if evaluator is None:
             return
-        try:  # heartbeats after each prompt: a long evaluation is neither a hang nor a stuck shutdown
-            evaluator(trainer.model, trainer.step_count, last_loss,
-                      on_prompt=lambda done, total: heartbeat(eval_prompts_done=done))
+        try:  # a long evaluation is neither a hang nor a stuck shutdown: each prompt has the batch budget
+            with ctx.working(f"eval step {trainer.step_count}"):
+                evaluator(trainer.model, trainer.step_count, last_loss, on_prompt=on_prompt)
         except Exception as e:  # an evaluation problem must not stop training
             log.error("tau_eval_failed step=%d error=%s: %s", trainer.step_count, type(e).__name__, e)
 
     def checkpoint(with_eval: bool = True) -> None:
         nonlocal last_ckpt_step
-        heartbeat()  # the write sends none: silence is measured from here
-        path = trainer.save_checkpoint()
+        with ctx.working(f"checkpoint step {trainer.step_count}"):  # heartbeats go on during the write
+            path = trainer.save_checkpoint()
         last_ckpt_step = trainer.step_count
         if rank == 0:
             ctx.send(m.Checkpointed(step=trainer.step_count, path=str(path)))
@@ -172,11 +181,8 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
             evaluate()
 
     while not ctx.stopping:
-        now = time.monotonic()
-        if now >= next_hb:
-            next_hb = now + hb_every
-            heartbeat()
-        msg = channel.recv(ctx.sock, timeout_s=min(0.2, hb_every))
+        ctx.tick()
+        msg = ctx.recv(timeout_s=IDLE_POLL_S)
         if msg is None:
             continue
         if isinstance(msg, MessageError):
@@ -190,17 +196,19 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
         if not isinstance(msg, m.SlotReady):
             log.warning("reject kind=%s reason=unexpected_for_consumer", msg.KIND)
             continue
-        try:
-            batch = reader.copy_in(msg, check=lambda views: check_batch(views, trainer.dcfg, cfg.trainer.label_source))
-        except (SlotError, MessageError, BadBatchError) as e:
-            log.error("bad_slot producer=%d slot=%d batch=%d error=%s", msg.producer, msg.slot, msg.batch_id, e)
-            ctx.send(m.BadBatch(producer=msg.producer, generation=msg.generation, slot=msg.slot,
-                                batch_id=msg.batch_id, reason=str(e)[:500]))
-            continue
-        ctx.send(m.SlotReleased(producer=msg.producer, generation=msg.generation, slot=msg.slot,
-                                batch_id=msg.batch_id))
-        result = trainer.step(batch, [msg.batch_id], checked=True)
-        del batch
+        with ctx.working(f"batch {msg.batch_id}"):
+            try:
+                batch = reader.copy_in(msg, check=lambda views: check_batch(views, trainer.dcfg,
+                                                                           cfg.trainer.label_source))
+            except (SlotError, MessageError, BadBatchError) as e:
+                log.error("bad_slot producer=%d slot=%d batch=%d error=%s", msg.producer, msg.slot, msg.batch_id, e)
+                ctx.send(m.BadBatch(producer=msg.producer, generation=msg.generation, slot=msg.slot,
+                                    batch_id=msg.batch_id, reason=str(e)[:500]))
+                continue
+            ctx.send(m.SlotReleased(producer=msg.producer, generation=msg.generation, slot=msg.slot,
+                                    batch_id=msg.batch_id))
+            result = trainer.step(batch, [msg.batch_id], checked=True)
+            del batch
         tokens += int(msg.num_tokens)
         if result["optimizer_step"]:
             if rank == 0:  # rank 0 speaks for the whole group: result["batch_ids"] holds every rank's ids

@@ -17,13 +17,17 @@ its DEALER socket:
 * ``Shutdown``: finish the batch in flight, then exit 0. SIGTERM/SIGINT do the same.
 * Undecodable frames and unexpected message kinds are logged and skipped.
 
-A ``Heartbeat`` goes out every ``monitor.heartbeat_interval_s`` with ``stats``: ``tokens_per_s`` (real
-tokens published over the last ~10 s), ``batches``, ``bad_batches``, ``tokens``, ``gpu_mem_bytes`` and
-``gpu_mem_reserved_bytes`` (0 without CUDA), ``current_batch`` (-1 when idle).
+A ``Heartbeat`` goes out every ``monitor.heartbeat_interval_s`` from a thread of its own, also during a
+forward that takes longer than ``hang_timeout_s`` (``shared.procs.ChildContext``), with ``stats``:
+``tokens_per_s`` (real tokens published over the last ~10 s), ``batches``, ``bad_batches``, ``tokens``,
+``gpu_mem_bytes`` and ``gpu_mem_reserved_bytes`` (0 without CUDA), ``current_batch`` (-1 when idle), and
+``work``/``work_s``: ``"batch N"`` or ``"publish batch N"`` and for how long (the monitor gives one batch
+``batch_timeout_s``).
 
 Environment (tests and chaos drills only): ``SPECRING_SLOW_WRITE_S=<seconds>`` sleeps between writing a
 slot and publishing it, so a test can SIGKILL a producer whose slot is WRITING;
-``SPECRING_INJECT_NONFINITE=<batch_id,...>`` puts a NaN into those batches' hidden states.
+``SPECRING_INJECT_NONFINITE=<batch_id,...>`` puts a NaN into those batches' hidden states; the hooks of
+``shared.faults`` (helper processes, slow and stalled forwards) are applied here too.
 
 The ring is closed (unpinned, unmapped) on exit and never unlinked: the supervisor owns it.
 """
@@ -38,7 +42,7 @@ import time
 
 import torch
 
-from shared import channel, messages
+from shared import faults, messages
 from shared.data import TokenDataset, collate
 from shared.errors import ConfigError, MessageError, SlotError
 from shared.procs import ChildContext, child_main
@@ -50,20 +54,12 @@ log = logging.getLogger(__name__)
 
 SLOW_WRITE_ENV = "SPECRING_SLOW_WRITE_S"
 RATE_WINDOW_S = 10.0
+IDLE_POLL_S = 0.2  # the loop turns at least this often while idle
 
 
 def slow_write_from_env() -> float:
     """``$SPECRING_SLOW_WRITE_S`` as seconds (0 when unset); ``ConfigError`` naming the variable if not a number >= 0."""
-    text = os.environ.get(SLOW_WRITE_ENV, "").strip()
-    if not text:
-        return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{SLOW_WRITE_ENV}={text!r} is not a number of seconds") from None
-    if value < 0:
-        raise ConfigError(f"{SLOW_WRITE_ENV}={text!r} must be >= 0")
-    return value
+    return faults.seconds(SLOW_WRITE_ENV)
 
 
 def pick_pad_id(ds: TokenDataset, hf_config) -> int:
@@ -77,35 +73,37 @@ def pick_pad_id(ds: TokenDataset, hf_config) -> int:
 class ProducerLoop:
     """The DEALER loop around a ``Producer`` (kept apart from ``body`` so each step reads on its own)."""
 
-    def __init__(self, ctx: ChildContext, producer: Producer, ds: TokenDataset, pad_id: int):
+    def __init__(self, ctx: ChildContext, producer: Producer, ds: TokenDataset, pad_id: int,
+                 forward_faults: faults.ForwardFaults | None = None):
         self.ctx = ctx
+        self.forward_faults = forward_faults
         self.producer = producer
         self.ds = ds
         self.pad_id = pad_id
-        self.hb_interval_s = ctx.config.monitor.heartbeat_interval_s
-        self.next_hb = 0.0
-        self.rate_samples: collections.deque = collections.deque()
+        # (time, tokens) samples of the rate window; the first is taken now, before any batch, because the
+        # heartbeat thread's first call comes one interval later, when batches may already be published
+        self.rate_samples: collections.deque = collections.deque([(time.monotonic(), producer.stats.tokens)])
         self.pending: Pending | None = None
         self.seq = 0                       # per-ring publication counter of this incarnation
 
     # ---------------------------------------------------------------------------------------- messages
     def run(self) -> None:
         while not self.ctx.stopping:
-            timeout_s = 0.0 if self.pending is not None else min(0.2, self.hb_interval_s)
-            msg = channel.recv(self.ctx.sock, timeout_s=timeout_s)
+            self.ctx.tick()
+            msg = self.ctx.recv(timeout_s=0.0 if self.pending is not None else IDLE_POLL_S)
             if msg is None:
                 self.finish_pending()
             elif isinstance(msg, messages.Lease):
-                self.on_lease(msg)
+                with self.ctx.working(f"batch {msg.batch_id}"):
+                    self.on_lease(msg)
             elif isinstance(msg, messages.Shutdown):
                 self.ctx.stop_reason = f"shutdown ({msg.reason})"
             elif isinstance(msg, MessageError):
                 log.warning("bad_message error=%r", str(msg))
             else:
                 log.warning("unexpected_message kind=%s", getattr(msg, "KIND", type(msg).__name__))
-            self.maybe_heartbeat()
         self.finish_pending()
-        self.heartbeat()
+        self.ctx.heartbeat()  # the last figures
 
     def on_lease(self, lease: messages.Lease) -> None:
         if lease.generation != self.ctx.generation:
@@ -116,6 +114,8 @@ class ProducerLoop:
             ids, am, lm, lengths = collate(self.ds, lease.sample_ids, lease.pad_to, self.pad_id)
             batch = {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "lengths": lengths,
                      "batch_id": lease.batch_id}
+            if self.forward_faults is not None:
+                self.forward_faults.before_forward()
             new = self.producer.submit(batch, lease.slot, self.seq)
             self.seq += 1
         except (ValueError, IndexError, SlotError) as e:
@@ -133,19 +133,16 @@ class ProducerLoop:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        msg = self.producer.complete(pending)
+        with self.ctx.working(f"publish batch {pending.batch_id}"):
+            msg = self.producer.complete(pending)
         self.ctx.send(msg)
         if isinstance(msg, messages.SlotReady):
             log.debug("published batch_id=%d slot=%d tokens=%d", msg.batch_id, msg.slot, msg.num_tokens)
 
     # ---------------------------------------------------------------------------------------- heartbeat
-    def maybe_heartbeat(self) -> None:
-        if time.monotonic() >= self.next_hb:
-            self.heartbeat()
-
-    def heartbeat(self) -> None:
+    def stats(self) -> dict:
+        """The heartbeat's figures (called from the heartbeat thread; see the module docstring)."""
         now = time.monotonic()
-        self.next_hb = now + self.hb_interval_s
         st = self.producer.stats
         self.rate_samples.append((now, st.tokens))
         while len(self.rate_samples) > 2 and now - self.rate_samples[1][0] >= RATE_WINDOW_S:
@@ -154,13 +151,11 @@ class ProducerLoop:
         rate = (st.tokens - n0) / (now - t0) if now > t0 else 0.0
         dev = self.producer.device
         cuda = dev.type == "cuda"
-        stats = {"tokens_per_s": float(rate), "batches": st.batches, "bad_batches": st.bad_batches,
-                 "tokens": st.tokens,
-                 "gpu_mem_bytes": int(torch.cuda.memory_allocated(dev)) if cuda else 0,
-                 "gpu_mem_reserved_bytes": int(torch.cuda.memory_reserved(dev)) if cuda else 0,
-                 "current_batch": int(self.producer.current_batch)}
-        self.ctx.send(messages.Heartbeat(role="producer", index=self.ctx.index, generation=self.ctx.generation,
-                                         pid=os.getpid(), stats=stats))
+        return {"tokens_per_s": float(rate), "batches": st.batches, "bad_batches": st.bad_batches,
+                "tokens": st.tokens,
+                "gpu_mem_bytes": int(torch.cuda.memory_allocated(dev)) if cuda else 0,
+                "gpu_mem_reserved_bytes": int(torch.cuda.memory_reserved(dev)) if cuda else 0,
+                "current_batch": int(self.producer.current_batch)}
 
 
 def body(ctx: ChildContext) -> None:
@@ -189,10 +184,15 @@ def body(ctx: ChildContext) -> None:
                                         checksum=cfg.ring.checksum, slow_write_s=slow_write_s,
                                         label_source=cfg.trainer.label_source, topk=cfg.trainer.distill_topk)
         pad_id = pick_pad_id(ds, producer.hf_config)
+        helpers = faults.start_helpers()  # tests only: processes the target code started and never stops
+        forward_faults = faults.ForwardFaults(ctx.index, ctx.generation)
         log.info("serving ring=%s slots=%d slot_bytes=%d pinned=%s data=%s samples=%d pad_id=%d",
                  ring.name, ring.num_slots, ring.slot_bytes, ring.pinned, cfg.data.data, len(ds), pad_id)
+        loop = ProducerLoop(ctx, producer, ds, pad_id, forward_faults)
+        ctx.stats = loop.stats
         ctx.ready()
-        ProducerLoop(ctx, producer, ds, pad_id).run()
+        loop.run()
+        del helpers
     finally:
         ring.close()
 

@@ -6,6 +6,10 @@ silently dropping, and the coordinator logs and carries on). Frames are ``shared
 a frame that does not decode is returned as a ``MessageError`` to the caller, who logs it — one bad frame
 never stops a loop.
 
+Sends on the router never block: each peer has its own queue of at most ``ROUTER_SNDHWM`` messages, and a
+send to a peer whose queue is full (it does not read) raises ``zmq.Again`` at once, so no peer can stall
+the coordinator's loop or its signal handling; the caller drops or rolls back what it sent.
+
 Addresses: ``ipc://<run_dir>/coord.sock`` by default (the run directory is mode 0700), or
 ``tcp://127.0.0.1:<port>`` when asked for.
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
-import time
+import secrets
 from typing import Any
 
 import zmq
@@ -26,6 +30,7 @@ log = logging.getLogger(__name__)
 
 LINGER_MS = 500
 HWM = 10000
+ROUTER_SNDHWM = 1000  # messages queued to one peer of the router; a child legitimately has a handful
 
 
 def coordinator_address(run_dir: str, tcp: str = "") -> str:
@@ -44,7 +49,7 @@ def bind_router(ctx: zmq.Context, address: str) -> zmq.Socket:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, LINGER_MS)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.setsockopt(zmq.SNDHWM, HWM)
+    sock.setsockopt(zmq.SNDHWM, ROUTER_SNDHWM)
     sock.setsockopt(zmq.RCVHWM, HWM)
     sock.setsockopt(zmq.MAXMSGSIZE, messages.MAX_MESSAGE_BYTES + 1024)
     try:
@@ -68,13 +73,18 @@ def connect_dealer(ctx: zmq.Context, address: str, identity: str) -> zmq.Socket:
     return sock
 
 
-def send(sock: zmq.Socket, msg: Any, to: bytes | None = None) -> None:
-    """Send one message; on a ROUTER, ``to`` is the peer identity. Raises ``zmq.ZMQError`` if unroutable."""
+def send(sock: zmq.Socket, msg: Any, to: bytes | None = None, block: bool = True) -> None:
+    """Send one message.
+
+    On a ROUTER, ``to`` is the peer identity and the send never blocks: ``zmq.Again`` when that peer's queue
+    is full (it is not reading), ``zmq.ZMQError`` (EHOSTUNREACH) when no such peer is connected. On a
+    DEALER it blocks while the queue is full unless ``block`` is False (then ``zmq.Again``).
+    """
     data = messages.encode(msg)
     if to is None:
-        sock.send(data, copy=True)
+        sock.send(data, flags=0 if block else zmq.NOBLOCK, copy=True)
     else:
-        sock.send_multipart([to, data], copy=True)
+        sock.send_multipart([to, data], flags=zmq.NOBLOCK, copy=True)
 
 
 def recv(sock: zmq.Socket, timeout_s: float | None) -> Any:
@@ -114,7 +124,9 @@ def request(address: str, msg: Any, timeout_s: float = 5.0) -> Any:
     Raises ``PeerTimeout`` naming the address and duration if no answer comes.
     """
     ctx = zmq.Context.instance()
-    sock = connect_dealer(ctx, address, f"cli-{os.getpid()}-{time.monotonic_ns()}")
+    # random, not the pid: CLIs in other PID namespaces (containers) have the same pids, and a ROUTER ignores
+    # a second peer with an identity it already has
+    sock = connect_dealer(ctx, address, f"cli-{secrets.token_hex(8)}")
     try:
         send(sock, msg)
         reply = recv(sock, timeout_s)

@@ -191,6 +191,7 @@ class MonitorConfig:
     backoff_base_s: float = 0.5
     backoff_max_s: float = 15.0
     shutdown_timeout_s: float = 120.0  # a consumer silent this long after Shutdown is terminated (a checkpoint write is silent)
+    batch_timeout_s: float = 1800.0    # one batch (forward, training step, checkpoint) may take this long; longer = hung
 
     def __post_init__(self):
         _require(self.heartbeat_interval_s > 0, "heartbeat_interval_s", "must be > 0")
@@ -199,6 +200,8 @@ class MonitorConfig:
         _require(self.max_restarts >= 0, "max_restarts", "must be >= 0")
         for name in ("startup_timeout_s", "restart_window_s", "backoff_base_s", "backoff_max_s", "shutdown_timeout_s"):
             _require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
+        _require(self.batch_timeout_s >= self.hang_timeout_s, "batch_timeout_s",
+                 f"must be >= hang_timeout_s ({self.hang_timeout_s}), got {self.batch_timeout_s}")
 
 
 @dataclass(kw_only=True)

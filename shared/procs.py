@@ -6,6 +6,14 @@ supervisor can kill a child together with anything it started. On Linux each chi
 its parent dies (``PR_SET_PDEATHSIG``) and also watches ``getppid()`` as a fallback, so no child outlives a
 supervisor that was killed with SIGKILL.
 
+What a child starts (target code's helpers, compile workers) must not outlive it: the supervisor kills the
+child's process group whenever the child has exited, and, being a child subreaper
+(``PR_SET_CHILD_SUBREAPER``), gets back every orphaned descendant, also those that left the group with
+``setsid``. Every child and everything it starts carries the run id in its environment
+(``SPECRING_RUN_ID``): by it ``kill_orphans`` tells the run's orphans (killed and reaped) from other
+processes that a supervisor running as a container's pid 1 inherits (only reaped), and the next start or
+``launch.py clean`` finds what survived a SIGKILLed supervisor (``sweep_run_processes``).
+
 ``child_main`` is the template of STYLE.md §8: process title, signal handlers that only set a flag, the
 body inside try/finally, a fatal error reported to the coordinator before exiting.
 """
@@ -21,11 +29,15 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import psutil
 import zmq
 
 from shared import channel, messages
@@ -35,15 +47,18 @@ log = logging.getLogger(__name__)
 
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+RUN_ID_ENV = "SPECRING_RUN_ID"  # set in every child's environment; inherited by whatever it starts
 EXIT_OK, EXIT_ERROR = 0, 1
 
 
-def _prctl(option: int, arg: int) -> None:
+def _prctl(option: int, arg: int) -> bool:
     if sys.platform.startswith("linux"):
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0)
+            return ctypes.CDLL(None, use_errno=True).prctl(option, arg, 0, 0, 0) == 0
         except (OSError, AttributeError):
             pass
+    return False
 
 
 def set_process_title(title: str) -> None:
@@ -61,6 +76,76 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> None:
     _prctl(PR_SET_PDEATHSIG, int(sig))
 
 
+def become_subreaper() -> bool:
+    """Make this process the child subreaper of its descendants (Linux ``PR_SET_CHILD_SUBREAPER``): a
+    descendant whose parent dies becomes this process's child instead of init's, so ``kill_orphans`` can
+    find it. Returns whether it took effect (False elsewhere than Linux)."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def kill_orphans(keep: set[int], run_id: str) -> tuple[list[tuple[int, str]], int]:
+    """SIGKILL every child of this process that is not in ``keep`` and carries ``SPECRING_RUN_ID=run_id``;
+    reap every child not in ``keep`` that has exited.
+
+    With ``become_subreaper()`` such children are orphans: descendants whose own parent is gone (a dead
+    child's helpers, a daemon that double-forked). Others (a supervisor that is pid 1 of a container gets
+    every orphan of the container) are reaped when they exit, never killed. Never blocks: one still dying
+    is reaped by a later call. Returns ``([(pid, command line)] signalled now, number of this run's orphans
+    not yet reaped)``.
+    """
+    try:
+        kids = psutil.Process().children()
+    except psutil.Error:
+        return [], 0
+    killed, pending = [], 0
+    for p in kids:
+        if p.pid in keep:
+            continue
+        try:
+            ours = p.status() != psutil.STATUS_ZOMBIE and p.environ().get(RUN_ID_ENV) == run_id
+            if ours:
+                cmd = " ".join(p.cmdline())[:200]
+                p.kill()  # psutil checks that the pid still names this very process
+                killed.append((p.pid, cmd))
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            ours = False
+        except psutil.AccessDenied:
+            ours = False
+            log.warning("kill_orphan pid=%d failed=access_denied", p.pid)
+        try:
+            if os.waitpid(p.pid, os.WNOHANG)[0] == 0 and ours:
+                pending += 1
+        except ChildProcessError:
+            pass
+    return killed, pending
+
+
+def sweep_run_processes(run_alive: Callable[[str], bool]) -> list[tuple[int, str, str]]:
+    """SIGKILL processes that carry ``SPECRING_RUN_ID`` of a run for which ``run_alive(run_id)`` is False:
+    what a SIGKILLed supervisor's children had started. Returns ``[(pid, run id, command line)]``.
+
+    Only processes this user may read are seen (others are skipped), and only in this PID namespace.
+    """
+    out, me, alive = [], os.getpid(), {}
+    for p in psutil.process_iter():
+        if p.pid == me:
+            continue
+        try:
+            rid = p.environ().get(RUN_ID_ENV)
+            if not rid:
+                continue
+            if rid not in alive:
+                alive[rid] = run_alive(rid)
+            if alive[rid]:
+                continue
+            cmd = " ".join(p.cmdline())[:200]
+            p.kill()
+            out.append((p.pid, rid, cmd))
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+    return out
+
+
 def configure_logging(prefix: str, level: int = logging.INFO) -> None:
     """Log lines as ``<time> <prefix> <level> <logger>: <message>`` to stderr (called once per process)."""
     root = logging.getLogger()
@@ -75,7 +160,10 @@ def configure_logging(prefix: str, level: int = logging.INFO) -> None:
 
 @dataclass
 class Topology:
-    """What every child needs to find the others: written by the supervisor to ``run_dir/topology.json``."""
+    """What every child needs to find the others: written by the supervisor to ``run_dir/topology.json``.
+
+    ``supervisor_pid`` is the supervisor's pid in its own PID namespace (its children compare it with
+    ``getppid()``); other processes must not judge liveness by it (``supervisor.resume.run_dir_held``)."""
     run_id: str
     address: str
     rings: list[str]
@@ -96,7 +184,19 @@ class Topology:
 
 @dataclass
 class ChildContext:
-    """Handed to a child's body: its identity, configuration, socket, and the stop flag."""
+    """Handed to a child's body: its identity, configuration, socket, and the stop flag.
+
+    Liveness: after ``ready()`` a thread of its own sends a ``Heartbeat`` every
+    ``monitor.heartbeat_interval_s``, also while the main thread is busy (a forward, a training step, a
+    checkpoint) for longer than ``hang_timeout_s``. Each heartbeat says what the main thread is doing and for
+    how long (``work``: e.g. ``"batch 17"``, ``""`` when idle; ``work_s``: seconds in that piece of work, or
+    since the main loop last turned when idle), so the monitor still finds a main thread that is stuck while
+    the heartbeat thread runs (``supervisor.monitor``). The body marks its work with ``working()`` and calls
+    ``tick()`` once per turn of its loop. A process that is stopped (SIGSTOP) or stuck holding the GIL sends
+    no heartbeat at all.
+
+    The socket is used by both threads, never at once (``_sock_lock``); use ``send``/``recv``, not ``sock``.
+    """
     role: str
     index: int
     generation: int
@@ -107,6 +207,12 @@ class ChildContext:
     stop_reason: str = ""
     said_hello: bool = False
     parent_pid: int = field(default_factory=os.getppid)
+    stats: Callable[[], dict] | None = None   # the role's heartbeat figures (tokens_per_s, ...)
+    _work: tuple[str, float] = field(default_factory=lambda: ("", time.monotonic()))  # (what, since): one store
+    _sock_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _hb_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _hb_stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _hb_thread: threading.Thread | None = None
 
     @property
     def stopping(self) -> bool:
@@ -115,16 +221,92 @@ class ChildContext:
             self.stop_reason = "parent exited"
         return bool(self.stop_reason)
 
-    def send(self, msg) -> None:
-        channel.send(self.sock, msg)
+    def send(self, msg, block: bool = True) -> bool:
+        """Send ``msg`` to the coordinator; returns False only when ``block`` is False and the queue is full."""
+        with self._sock_lock:
+            try:
+                channel.send(self.sock, msg, block=block)
+            except zmq.Again:
+                if block:
+                    raise
+                return False
+        return True
+
+    def recv(self, timeout_s: float | None):
+        """The next message from the coordinator, ``None`` after ``timeout_s`` (see ``channel.recv``)."""
+        with self._sock_lock:
+            return channel.recv(self.sock, timeout_s)
+
+    # ------------------------------------------------------------------ liveness
+    def tick(self) -> None:
+        """The main loop turned (call once per turn): an idle main thread is not stuck."""
+        if not self._work[0]:
+            self._work = ("", time.monotonic())
+
+    @contextmanager
+    def working(self, what: str):
+        """Mark the main thread busy with ``what`` (e.g. ``"batch 17"``) for the ``with`` block; the monitor
+        then allows it ``batch_timeout_s`` instead of ``hang_timeout_s``. Nested, the outer work (and its
+        clock) is back when the inner block ends."""
+        outer = self._work
+        self._work = (what or "work", time.monotonic())
+        try:
+            yield
+        finally:
+            self._work = outer if outer[0] else ("", time.monotonic())
+
+    def progress(self, what: str) -> None:
+        """Inside ``working()``: the main thread moved on to a new piece of the work (``what``, e.g. the next
+        prompt of an evaluation); its clock starts again."""
+        if self._work[0]:
+            self._work = (what or "work", time.monotonic())
+
+    def work_stats(self) -> dict:
+        """``{"work": what the main thread is doing ("" idle), "work_s": for how long, in seconds}``."""
+        what, since = self._work
+        return {"work": what, "work_s": round(time.monotonic() - since, 3)}
+
+    def heartbeat(self, block: bool = True, **extra) -> bool:
+        """Send one ``Heartbeat`` now: ``stats()``, ``extra`` and ``work_stats()``. Returns False if it was
+        not queued (``block`` False and the queue full)."""
+        with self._hb_lock:
+            stats = {}
+            if self.stats is not None:
+                try:
+                    stats = dict(self.stats())
+                except Exception as e:  # figures are optional; the heartbeat is not
+                    stats = {"stats_error": f"{type(e).__name__}: {e}"[:200]}
+            stats.update(extra)
+            stats.update(self.work_stats())
+            return self.send(messages.Heartbeat(role=self.role, index=self.index, generation=self.generation,
+                                                pid=os.getpid(), stats=stats), block=block)
+
+    def _heartbeats(self) -> None:
+        interval_s = self.config.monitor.heartbeat_interval_s
+        while not self._hb_stop.wait(interval_s):
+            try:
+                self.heartbeat(block=False)  # a full queue means the supervisor is not reading: skip one
+            except Exception as e:  # the socket is closing; never let the thread die with a traceback
+                if not self._hb_stop.is_set():
+                    log.warning("heartbeat_failed error=%s: %s", type(e).__name__, e)
+
+    def stop_heartbeats(self) -> None:
+        """Stop the heartbeat thread and wait for it (before the socket is closed)."""
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=10)
+            self._hb_thread = None
 
     def ready(self) -> None:
-        """Say ``Hello``: the child is loaded and can take work. Call once, after the slow start-up
-        (model loading), so the monitor's hang clock starts only then (``startup_timeout_s`` covers
-        the time before)."""
+        """Say ``Hello``: the child is loaded and can take work, and start the heartbeat thread. Call once,
+        after the slow start-up (model loading), so the monitor's hang clock starts only then
+        (``startup_timeout_s`` covers the time before). Set ``stats`` first."""
         if not self.said_hello:
             self.send(messages.Hello(role=self.role, index=self.index, generation=self.generation, pid=os.getpid()))
             self.said_hello = True
+            self.tick()
+            self._hb_thread = threading.Thread(target=self._heartbeats, name="heartbeat", daemon=True)
+            self._hb_thread.start()
 
 
 def peer_identity(role: str, index: int, generation: int) -> str:
@@ -205,7 +387,8 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
     Parses ``--run-dir/--index/--generation``, sets the title and parent-death signal, installs
     SIGTERM/SIGINT handlers that only set the stop flag, connects the DEALER socket, runs ``body(ctx)``
     inside try/finally, and on an exception sends a fatal ``Error`` to the coordinator before exiting 1.
-    The body calls ``ctx.ready()`` (which sends ``Hello``) once it can take work.
+    The body calls ``ctx.ready()`` (which sends ``Hello`` and starts the heartbeat thread) once it can take
+    work; the thread is stopped before the socket is closed.
     """
     ap = argparse.ArgumentParser(description=module_doc)
     ap.add_argument("--run-dir", required=True)
@@ -245,6 +428,7 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
         except Exception:
             pass
     finally:
+        ctx.stop_heartbeats()
         sock.close(linger=channel.LINGER_MS)
         zctx.term()
     return code

@@ -3,7 +3,8 @@
 Layout of a segment (all integers little-endian)::
 
     offset 0            ring header (64 bytes): magic b"SPECRING", layout version, num_slots,
-                        slot_bytes, payload offset, creator pid, creator start time, run id
+                        slot_bytes, payload offset, creator pid, creator start time (both for people
+                        reading a leftover segment: they say nothing about liveness), run id
     offset 64           slot headers, one 64-byte record per slot:
                             state u32 (0 EMPTY, 1 WRITING, 2 PUBLISHED), generation u32,
                             batch_id i64, payload_len u64, seq u64, checksum u32, flags u32
@@ -12,8 +13,12 @@ Layout of a segment (all integers little-endian)::
 
 What the ring guarantees, and what it does not:
 
-* The segment lives until its creator calls ``unlink()`` (or a later ``sweep_stale()`` finds the creator
-  dead). Processes that ``attach()`` map the file themselves: no ``multiprocessing`` resource tracker is
+* The segment lives until its creator calls ``unlink()`` (or a later ``sweep_stale()`` finds it without an
+  owner). The creator holds a shared ``flock`` on the segment file from before its name appears until it
+  unlinks it or exits; ``sweep_stale`` removes only segments whose lock it can take. The kernel, not a pid,
+  says whether the lock is held, so this holds across PID namespaces that share ``/dev/shm`` (containers
+  with ``--ipc=host``, a shared volume) and after pid reuse. Names carry a random run id, never a pid.
+* Processes that ``attach()`` map the file themselves: no ``multiprocessing`` resource tracker is
   involved, so an attaching process that exits (even by SIGKILL) never unlinks it.
 * A writer marks a slot ``WRITING`` before touching the payload and ``PUBLISHED`` (last store) after the
   payload is complete, so a reader or the creator can always tell that a slot whose writer died was never
@@ -28,10 +33,13 @@ What the ring guarantees, and what it does not:
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import mmap
 import os
 import re
+import secrets
 import struct
 import time
 import zlib
@@ -55,7 +63,8 @@ SLOT_HEADER_BYTES = 64
 EMPTY, WRITING, PUBLISHED = 0, 1, 2
 STATE_NAMES = {EMPTY: "EMPTY", WRITING: "WRITING", PUBLISHED: "PUBLISHED"}
 FLAG_CHECKSUM = 1
-_NAME_RE = re.compile(r"^specring-(?P<run>[0-9A-Za-z]+)-(?P<pid>\d+)-(?P<tag>[\w.]+)$")
+# specring-<run>-<tag>; segments of older builds carry the creator's pid too: specring-<run>-<pid>-<tag>
+_NAME_RE = re.compile(r"^specring-(?P<run>[0-9A-Za-z]+)-(?:(?P<pid>\d+)-)?(?P<tag>[\w.]+)$")
 
 assert RING_HEADER.size <= 64 and SLOT_HEADER.size <= SLOT_HEADER_BYTES
 
@@ -64,16 +73,17 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-def segment_name(run_id: str, tag: str, pid: int | None = None) -> str:
-    """Name of a ring segment: ``specring-<run_id>-<creator pid>-<tag>``.
+def segment_name(run_id: str, tag: str) -> str:
+    """Name of a ring segment: ``specring-<run_id>-<tag>``.
 
-    ``run_id`` must be alphanumeric, ``tag`` word characters or dots (e.g. ``p0``).
+    ``run_id`` must be alphanumeric (``new_run_id()``: random, so unique without any pid), ``tag`` word
+    characters or dots (e.g. ``p0``). Raises ``ValueError`` naming the bad part.
     """
     if not re.fullmatch(r"[0-9A-Za-z]+", run_id):
         raise ValueError(f"run_id must be alphanumeric, got {run_id!r}")
     if not re.fullmatch(r"[\w.]+", tag):
         raise ValueError(f"ring tag must be word characters, got {tag!r}")
-    return f"{NAME_PREFIX}{run_id}-{pid if pid is not None else os.getpid()}-{tag}"
+    return f"{NAME_PREFIX}{run_id}-{tag}"
 
 
 def segment_bytes(num_slots: int, slot_bytes: int) -> int:
@@ -132,7 +142,7 @@ class Ring:
     Not thread-safe; one writer per slot at a time, as the coordinator arranges.
     """
 
-    def __init__(self, name: str, mm: mmap.mmap, owner: bool):
+    def __init__(self, name: str, mm: mmap.mmap, owner: bool, lock_fd: int | None = None):
         self.name = name
         self.owner = owner
         self._mm = mm
@@ -153,11 +163,13 @@ class Ring:
         self._buf = torch.frombuffer(memoryview(mm), dtype=torch.uint8)
         self.pinned = False
         self._closed = False
+        self._lock_fd = lock_fd  # the creator's open, flock-ed descriptor of the segment (None: attached)
 
     # ---------------------------------------------------------------- life cycle
     @classmethod
     def create(cls, name: str, num_slots: int, slot_bytes: int) -> "Ring":
-        """Create and map a new segment ``/dev/shm/<name>`` (mode 0600), pages reserved.
+        """Create and map a new segment ``/dev/shm/<name>`` (mode 0600), pages reserved, owned by this process
+        (its ``flock``, which no sweep overrides) until ``unlink()`` or the process's exit.
 
         ``slot_bytes`` is rounded up to a multiple of 4 KiB. Raises ``ValueError`` for non-positive sizes,
         ``FileExistsError`` if the name exists, ``ShmSpaceError`` if ``/dev/shm`` lacks space.
@@ -170,7 +182,7 @@ class Ring:
         total = segment_bytes(num_slots, slot_bytes)
         check_shm_space(total, f"ring {name}")
         path = os.path.join(SHM_DIR, name)
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = _create_locked(path)
         try:
             try:
                 os.posix_fallocate(fd, 0, total)
@@ -179,15 +191,14 @@ class Ring:
                                     f"{e.strerror}; {shm_free_bytes() / 2**20:.1f} MiB free") from None
             mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            os.close(fd)
             os.unlink(path)
+            os.close(fd)
             raise
-        os.close(fd)
         run_id = name[len(NAME_PREFIX):].split("-", 1)[0] if name.startswith(NAME_PREFIX) else ""
         payload_off = _round_up(64 + num_slots * SLOT_HEADER_BYTES, PAGE)
         RING_HEADER.pack_into(mm, 0, MAGIC, LAYOUT_VERSION, num_slots, slot_bytes, payload_off, os.getpid(),
                               _process_start_time(os.getpid()) or 0.0, run_id.encode()[:16])
-        return cls(name, mm, owner=True)
+        return cls(name, mm, owner=True, lock_fd=fd)
 
     @classmethod
     def attach(cls, name: str) -> "Ring":
@@ -248,11 +259,15 @@ class Ring:
                 pass  # views still exist; the mapping is released when the last one is dropped
 
     def unlink(self) -> None:
-        """Remove the segment's name (owner only). Mappings stay valid, so copies in flight are safe."""
+        """Remove the segment's name (owner only), then drop the owner's lock. Mappings stay valid, so copies
+        in flight are safe."""
         try:
             os.unlink(os.path.join(SHM_DIR, self.name))
         except FileNotFoundError:
             pass
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __enter__(self) -> "Ring":
         return self
@@ -344,25 +359,71 @@ def list_segments() -> list[str]:
         return []
 
 
-def _creator_alive(path: str, pid: int) -> bool:
+def _create_locked(path: str) -> int:
+    """Create ``path`` (mode 0600, must not exist) and hold a shared ``flock`` on it; returns the descriptor.
+
+    A sweep can see the name between the ``open`` and the lock; if it removed the file in that moment (the
+    link count is 0 once we hold the lock), the name is free again and is created anew.
+    """
+    for _ in range(10):
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if os.fstat(fd).st_nlink > 0:
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    raise OSError(errno.EAGAIN, f"could not create {path}: something keeps removing it")
+
+
+def segment_owned(name: str) -> bool:
+    """Whether a live process holds segment ``name`` (its creator's ``flock``; see the module docstring).
+
+    False for a name that does not exist. Works across PID namespaces: no pid is involved.
+    """
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def run_owned(run_id: str) -> bool:
+    """Whether a live process owns any segment of run ``run_id`` (``segment_owned``): the run is going."""
+    prefix = f"{NAME_PREFIX}{run_id}-"
+    return any(segment_owned(n) for n in list_segments() if n.startswith(prefix))
+
+
+def _legacy_creator_alive(path: str, pid: int) -> bool:
+    """For segments of older builds, named ``specring-<run>-<pid>-<tag>`` and never locked: whether a process
+    with that pid and the recorded start time lives (in this PID namespace; the flaw that locks remove)."""
     start = _process_start_time(pid)
     if start is None:
         return False
     try:
         with open(path, "rb") as f:
-            head = f.read(RING_HEADER.size)
-        recorded = RING_HEADER.unpack(head)[6]
+            recorded = RING_HEADER.unpack(f.read(RING_HEADER.size))[6]
     except (OSError, struct.error):
         return True  # cannot tell: keep it
-    # pid reuse: a live process with that pid that started after the segment's creator is not the creator
     return recorded == 0.0 or abs(start - recorded) < 1.0
 
 
 def sweep_stale(run_id: str | None = None) -> list[str]:
-    """Unlink specring segments whose creator process is dead; returns the names removed.
+    """Unlink specring segments that no live process owns; returns the names removed.
 
-    With ``run_id``, only that run's segments are considered. A segment of a live creator is never
-    touched. Names that do not parse are left alone.
+    A segment is owned while its creator holds the lock taken in ``Ring.create`` (until ``unlink()`` or the
+    creator's exit, SIGKILL included), whatever PID namespace the creator lives in. The sweep takes the lock
+    itself before unlinking, so an owned segment is never touched. With ``run_id``, only that run's segments
+    are considered. Names that do not parse are left alone; names with a pid (older builds, no lock) are
+    removed only once that pid is dead too.
     """
     removed = []
     for name in list_segments():
@@ -370,17 +431,29 @@ def sweep_stale(run_id: str | None = None) -> list[str]:
         if not m or (run_id is not None and m["run"] != run_id):
             continue
         path = os.path.join(SHM_DIR, name)
-        if _creator_alive(path, int(m["pid"])):
+        if m["pid"] is not None and _legacy_creator_alive(path, int(m["pid"])):
+            continue  # an older build's segment (it takes no lock): judged by its creator's pid, as it was
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
             continue
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                continue  # replaced since we opened it: not the file whose lock we hold
             os.unlink(path)
             removed.append(name)
-            log.info("sweep segment=%s creator_pid=%s", name, m["pid"])
-        except FileNotFoundError:
-            pass
+            log.info("sweep segment=%s reason=no_owner", name)
+        except (BlockingIOError, FileNotFoundError):
+            pass  # owned by a live process, or removed by another sweep
+        finally:
+            os.close(fd)
     return removed
 
 
 def new_run_id() -> str:
-    """A short, sortable, unique run id (hex of nanoseconds and pid)."""
-    return f"{time.time_ns() // 1000:x}{os.getpid() % 4096:03x}"
+    """A unique run id: 16 hex characters, the start second (so ids sort by time) and 32 random bits.
+
+    No pid is involved: runs in different PID namespaces (all with a supervisor of pid 1) still differ.
+    """
+    return f"{int(time.time()) & 0xFFFFFFFF:08x}{secrets.token_hex(4)}"

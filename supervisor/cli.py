@@ -69,6 +69,8 @@ FLAGS = {
     "num_slots": ("ring", "num_slots", int, "slots per producer ring"),
     "slot_mb": ("ring", "slot_bytes", lambda s: int(float(s) * 2**20), "slot size in MiB (default: sized from the batch plan)"),
     "hang_timeout_s": ("monitor", "hang_timeout_s", float, "kill a child that sends no heartbeat and makes no progress this long"),
+    "batch_timeout_s": ("monitor", "batch_timeout_s", float, "kill a child whose main thread is on one batch (forward, "
+                        "training step, checkpoint) this long while its heartbeat goes on (a deadlock)"),
     "heartbeat_interval_s": ("monitor", "heartbeat_interval_s", float, "seconds between heartbeats"),
     "max_restarts": ("monitor", "max_restarts", int, "restarts of one producer allowed per window"),
 }
@@ -296,15 +298,21 @@ def status_main(argv: list[str]) -> int:
         return 0
     print(f"run {d['run_id']}  step {d['step']}  trained {d['trained']}/{d['planned']} batches  loss {_fmt(d['loss'])}")
     print(f"{'process':<12}{'pid':>8}{'gen':>5} {'state':<9}{'hb_age':>7}{'tok/s':>10}{'cpu%':>7}{'rss_MiB':>9}"
-          f"{'gpu_MiB':>9}{'restarts':>9}  ring F/W/R/r")
+          f"{'gpu_MiB':>9}{'restarts':>9}  {'ring F/W/R/r':<13} busy with")
     for r in d["rows"]:
         ring = r.get("ring")
         ring_s = "{FREE}/{WRITING}/{READY}/{READING}".format(**ring) if ring else ""
         print(f"{r['role'] + '-' + str(r['index']):<12}{r['pid'] or '-':>8}{r['generation']:>5} {r['state']:<9}"
               f"{_num(r.get('heartbeat_age_s'), '.1f'):>7}{_num(r.get('tokens_per_s'), ',.0f'):>10}"
               f"{_num(r.get('cpu_percent'), '.0f'):>7}{_num(_mib(r.get('rss_bytes')), '.0f'):>9}"
-              f"{_num(_mib(r.get('gpu_mem_bytes')), '.0f'):>9}{r['restarts']:>9}  {ring_s}")
+              f"{_num(_mib(r.get('gpu_mem_bytes')), '.0f'):>9}{r['restarts']:>9}  {ring_s:<13} {_work(r)}")
     return 0
+
+
+def _work(row: dict) -> str:
+    """``batch 17 for 3.2s`` (what the child's main thread is on, from its last heartbeat), ``-`` when idle."""
+    what, secs = row.get("work"), row.get("work_s")
+    return f"{what} for {secs:.1f}s" if what and isinstance(secs, (int, float)) else "-"
 
 
 def _mib(x):
@@ -335,12 +343,15 @@ def restart_main(argv: list[str]) -> int:
 
 
 def clean_main(argv: list[str]) -> int:
-    """``launch.py clean``: remove segments and socket files of runs whose supervisor is dead."""
+    """``launch.py clean``: remove segments, socket files and processes of runs whose supervisor is dead."""
     ap = argparse.ArgumentParser(prog="launch.py clean")
     ap.add_argument("--run-dir", action="append", default=[], help="also look in this run directory (repeatable)")
     args = ap.parse_args(argv)
     from supervisor.resume import stale_sockets
-    from shared.ring import sweep_stale
+    from shared.procs import sweep_run_processes
+    from shared.ring import run_owned, sweep_stale
+    for pid, run_id, cmd in sweep_run_processes(run_owned):
+        print(f"killed process {pid} of run {run_id} (its supervisor is gone): {cmd}")
     removed = sweep_stale()
     dirs = [Path(d) for d in args.run_dir] + sorted((REPO_ROOT / "runs").glob("*"))
     socks = []

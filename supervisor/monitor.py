@@ -3,8 +3,15 @@
 The monitor decides; the supervisor acts. What it promises:
 
 * A child is **hung** when, for ``hang_timeout_s``, it has sent no heartbeat *and* made no progress
-  (published or trained nothing); a child that never says Hello within ``startup_timeout_s`` is hung too.
-  A hung child is killed (whole process group) and reaped before anything it owned is reused.
+  (published or trained nothing): it is stopped (SIGSTOP), stuck holding the GIL, or gone quiet; a child
+  that never says Hello within ``startup_timeout_s`` is hung too.
+* Heartbeats come from a thread of the child's own (``shared.procs.ChildContext``), so they go on while the
+  main thread works; each says what the main thread is doing (``work``) and for how long (``work_s``). A
+  child is also hung when its main thread has been on one piece of work (a batch, a checkpoint, one eval
+  prompt) for more than ``batch_timeout_s`` (a deadlocked forward: the heartbeat thread is fine, the batch
+  never ends), or, idle, has not turned its loop for ``hang_timeout_s``. A batch slower than
+  ``hang_timeout_s`` is therefore not a hang; one slower than ``batch_timeout_s`` is.
+* A hung child is killed (whole process group) and reaped before anything it owned is reused.
 * A producer that died or was killed for hanging is restarted after an exponential back-off
   (``backoff_base_s · 2^(k−1)``, capped at ``backoff_max_s``, k = restarts in the window), unless it has
   already been restarted ``max_restarts`` times within ``restart_window_s``; then the run stops.
@@ -93,6 +100,22 @@ class HealthMonitor:
         quiet = now - max(child.last_heartbeat, child.last_progress)
         if quiet > self.cfg.hang_timeout_s:
             return f"no heartbeat or progress for {quiet:.1f}s > hang_timeout_s={self.cfg.hang_timeout_s:g}"
+        return self.stuck(child)
+
+    def stuck(self, child: Child) -> str:
+        """Why ``child``'s main thread counts as stuck although its heartbeats go on ("" if it does not): on
+        one piece of work longer than ``batch_timeout_s``, or idle without turning its loop for longer than
+        ``hang_timeout_s``, as of its last heartbeat plus the time since (see the module docstring)."""
+        work_s = child.stats.get("work_s")
+        if isinstance(work_s, bool) or not isinstance(work_s, (int, float)) or child.last_progress > child.last_heartbeat:
+            return ""  # an older child without these figures, or progress since the figures were sent
+        now = self.clock()
+        busy_s = float(work_s) + now - child.last_heartbeat
+        what = child.stats.get("work") or ""
+        if what and busy_s > self.cfg.batch_timeout_s:
+            return f"busy with {str(what)[:80]} for {busy_s:.1f}s > batch_timeout_s={self.cfg.batch_timeout_s:g}"
+        if not what and busy_s > self.cfg.hang_timeout_s:
+            return f"main loop has not turned for {busy_s:.1f}s > hang_timeout_s={self.cfg.hang_timeout_s:g}"
         return ""
 
     def schedule_restart(self, child: Child) -> float | None:

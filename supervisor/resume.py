@@ -3,7 +3,8 @@
 * A fresh run gets ``runs/<UTC time>`` unless ``--run-dir`` names one; ``runs/latest`` points at the newest
   run that passed its start-up checks. ``--resume`` without ``--run-dir`` resumes the run it points at; a
   ``--resume`` of a run that saved no checkpoint trains it from the beginning.
-* A run directory whose supervisor is still alive is refused (two supervisors would share a socket).
+* A run directory that a live launcher holds (``flock`` on ``RUN_DIR/.lock``, whatever PID namespace it runs
+  in) is refused (two supervisors would share a socket); ``status`` and ``clean`` ask the same lock.
 * A fresh run into a directory that already holds checkpoints is refused (use ``--resume`` or another
   directory) so no earlier result is overwritten.
 * ``--resume``: the trained batch ids come from the latest checkpoint (``consumer.checkpoint``); the
@@ -13,41 +14,57 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
+import secrets
 import shutil
 import time
 from pathlib import Path
-
-import psutil
 
 from shared.config import REPO_ROOT, RunConfig
 from shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
+CLAIM_RETRY_S = 1.0  # how long claim_run_dir retries a lock that a momentary run_dir_held() probe may hold
+
+
+def run_dir_held(run_dir: Path) -> bool:
+    """Whether a live launcher holds ``run_dir`` (its ``flock`` on ``RUN_DIR/.lock``, see ``claim_run_dir``).
+
+    The kernel says whether the lock is held, so the answer is right whatever PID namespace the launcher runs
+    in (a container sharing the directory) and whatever pid it had. A lock held by this very process counts.
+    """
+    try:
+        fd = os.open(Path(run_dir) / ".lock", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
 
 def supervisor_alive(run_dir: Path) -> int | None:
-    """Pid of a live supervisor that owns ``run_dir``, else None."""
-    p = run_dir / "topology.json"
-    try:
-        pid = int(json.loads(p.read_text())["supervisor_pid"])
-    except (OSError, ValueError, KeyError):
-        return None
-    if pid == os.getpid() or not psutil.pid_exists(pid):
+    """The supervisor pid recorded in ``topology.json`` (as seen in the supervisor's own PID namespace; 0 if
+    unreadable) when a live launcher holds ``run_dir`` (``run_dir_held``), else None."""
+    if not run_dir_held(run_dir):
         return None
     try:
-        cmd = " ".join(psutil.Process(pid).cmdline())
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-    return pid if "python" in cmd or "specring" in cmd else None
+        return int(json.loads((Path(run_dir) / "topology.json").read_text())["supervisor_pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def stale_sockets(run_dir: Path) -> list[Path]:
-    """Socket files in ``run_dir`` left by a supervisor that is no longer alive."""
+    """Socket files in ``run_dir`` left by a launcher that no longer holds it."""
     sock = Path(run_dir) / "coord.sock"
-    if sock.exists() and supervisor_alive(Path(run_dir)) is None:
+    if sock.exists() and not run_dir_held(Path(run_dir)):
         return [sock]
     return []
 
@@ -93,20 +110,19 @@ def claim_run_dir(cfg: RunConfig, new_default: bool):
     no checkpoint was ever saved there, the records of an earlier start (``metrics.jsonl``, ``eval.jsonl``,
     ``summary.json``, ``tensorboard/``: the weights they describe are gone). Moves ``runs/latest`` to a new
     default run. Raises ``ConfigError`` when another launcher holds the directory."""
-    import fcntl
-
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = open(run_dir / ".lock", "a")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        lock.close()
-        raise ConfigError(f"--run-dir: another launcher is starting or running in {run_dir}") from None
-    pid = supervisor_alive(run_dir)
-    if pid is not None:  # it set up between our check and the lock
-        lock.close()
-        raise ConfigError(f"--run-dir: a run is already going in {run_dir} (supervisor pid {pid})")
+    deadline = time.monotonic() + CLAIM_RETRY_S
+    while True:  # run_dir_held() of a status/clean elsewhere holds a shared lock for a moment
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                lock.close()
+                raise ConfigError(f"--run-dir: another launcher is starting or running in {run_dir}") from None
+            time.sleep(0.02)
     ckpts = run_dir / "checkpoints"
     if ckpts.is_dir():
         for tmp in ckpts.glob(".step-*.tmp-*"):
@@ -128,7 +144,7 @@ def point_latest(run_dir: str) -> None:
     """Point ``runs/latest`` at ``run_dir`` (a directory under ``runs/``), atomically."""
     latest = latest_link()
     latest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = latest.with_name(f".latest-{os.getpid()}")
+    tmp = latest.with_name(f".latest-{secrets.token_hex(8)}")  # not the pid: launchers in containers share it
     if tmp.is_symlink():
         tmp.unlink()
     tmp.symlink_to(Path(run_dir).name)

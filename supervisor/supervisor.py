@@ -12,7 +12,15 @@ Guarantees: a producer's unpublished slots are reclaimed only after its process 
 consumer's death ends the run with its last checkpoint kept (``--resume`` continues), and a run whose
 final checkpoint was not written is never reported ``done``; rings and the socket
 are removed in ``finally`` whatever happens, and a SIGKILL of the supervisor itself leaves children that
-die within a second or two (parent-death signal) and segments that the next start sweeps.
+die within a second or two (parent-death signal) and segments that the next start sweeps. Nothing a child
+started outlives the child's exit or the run: the child's process group is killed once it has exited, and
+the supervisor, a child subreaper, kills the orphans that come back to it (``shared.procs``); after a
+SIGKILL of the supervisor, the next start or ``launch.py clean`` kills them by their ``SPECRING_RUN_ID``.
+
+No peer of the socket can stall the loop or the signal path: sends never block (a peer whose queue is full
+is dropped, a lease or delivery rolled back), operator commands are rate-limited per peer and in all
+(``supervisor.peers``), at most ``MAX_FRAMES_PER_TURN`` frames are handled between two looks at the children
+and the stop flag, and lines about bad peers are rate-limited. A signal only sets the stop flag.
 """
 
 from __future__ import annotations
@@ -31,10 +39,12 @@ import zmq
 from shared import channel, messages as m
 from shared.config import RunConfig
 from shared.errors import MessageError
-from shared.procs import Topology, kill_group, parse_identity, peer_identity, spawn_child, terminate
-from shared.ring import Ring, check_shm_space, new_run_id, segment_bytes, segment_name, sweep_stale
+from shared.procs import (RUN_ID_ENV, Topology, become_subreaper, kill_group, kill_orphans, parse_identity,
+                          peer_identity, spawn_child, sweep_run_processes, terminate)
+from shared.ring import Ring, check_shm_space, new_run_id, run_owned, segment_bytes, segment_name, sweep_stale
 from supervisor.coordinator import Coordinator
 from supervisor.monitor import Child, HealthMonitor
+from supervisor.peers import CommandGate, LogLimiter
 from supervisor.progress import Progress
 from supervisor.resume import checkpoint_step_on_disk, read_trained_from_checkpoint
 from supervisor.runplan import RunPlan
@@ -43,6 +53,9 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 STATUS_EVERY_S = 1.0
+ORPHAN_REAP_S = 3.0  # at the end, how long to wait for killed orphans to be reaped
+MAX_FRAMES_PER_TURN = 500  # frames handled before the loop pumps, watches children and checks for a stop
+LOG_EVERY_S = 10.0  # one log line per peer and kind of rejection this often at most
 SHUTDOWN_CAP_FACTOR = 5  # a consumer still heartbeating after shutdown is waited for at most this many shutdown_timeout_s
 
 
@@ -79,6 +92,10 @@ class Supervisor:
         self.consumer_error = ""
         self.rejected_frames = 0
         self.coordinator: Coordinator | None = None
+        self._orphans_seen: set[int] = set()
+        self.gate = CommandGate()           # operator commands: rate-limited per peer, non-readers dropped
+        self.log_limiter = LogLimiter(LOG_EVERY_S)
+        self.refused_commands = 0
 
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> None:
@@ -86,12 +103,14 @@ class Supervisor:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
         (self.run_dir / "logs").mkdir(exist_ok=True)
+        for pid, run_id, cmd in sweep_run_processes(run_owned):
+            log.warning("sweep process pid=%d run_id=%s cmd=%r reason=run_gone", pid, run_id, cmd)
         removed = sweep_stale()
         if removed:
             log.info("sweep removed=%d segments=%s", len(removed), ",".join(removed))
         self.address = channel.coordinator_address(str(self.run_dir), cfg.tcp)
         if self.address.startswith("ipc://") and os.path.exists(self.address[6:]):
-            os.unlink(self.address[6:])  # stale socket of a dead run (the pid lock below ensures that)
+            os.unlink(self.address[6:])  # a dead run's: this launcher holds RUN_DIR/.lock (claim_run_dir)
         trained: set[int] = set()
         if cfg.resume:
             trained = self._trained_given if self._trained_given is not None else \
@@ -120,10 +139,10 @@ class Supervisor:
 
     def _spawn(self, child: Child) -> None:
         module = "producers.main" if child.role == "producer" else "consumer.main"
-        env = {}
+        env = {RUN_ID_ENV: self.run_id}  # inherited by all it starts: the next start finds leftovers by it
         if child.role == "consumer":
-            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.dist_port),
-                   "WORLD_SIZE": str(len(self.consumers)), "RANK": str(child.index)}
+            env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.dist_port),
+                        "WORLD_SIZE": str(len(self.consumers)), "RANK": str(child.index)})
         proc = spawn_child(module, str(self.run_dir), child.index, child.generation,
                            self.run_dir / "logs" / f"{child.name}.log", env=env)
         self.monitor.started(child, proc)
@@ -159,19 +178,25 @@ class Supervisor:
 
     def _handle(self, peer: bytes, msg) -> None:
         co = self.coordinator
-        sender = peer.decode(errors="replace")
+        sender = peer_name(peer)
         if isinstance(msg, MessageError):
             self.rejected_frames += 1
-            log.warning("reject frame peer=%s error=%s", sender, msg)
+            self._warn_limited(("frame", peer), "reject frame peer=%s error=%s", sender, msg)
             return
         if isinstance(msg, m.Command):
+            why = self.gate.admit(peer)
+            if why:
+                self.refused_commands += 1
+                self._warn_limited(("command", peer), "command_refused peer=%s action=%s reason=%s", sender,
+                                   msg.action, why)
+                return
             self._command(peer, msg)
             return
         ident = parse_identity(peer)
         child = self._child(ident[0], ident[1]) if ident else None
         if child is None:
             self.rejected_frames += 1
-            log.warning("reject kind=%s peer=%s reason=unknown_peer", msg.KIND, sender)
+            self._warn_limited(("unknown", peer), "reject kind=%s peer=%s reason=unknown_peer", msg.KIND, sender)
             return
         role, peer_gen = ident[0], ident[2]
         if isinstance(msg, m.Error):  # logged even from a dead incarnation: it may say why it died
@@ -232,7 +257,7 @@ class Supervisor:
             row = {"role": c.role, "index": c.index, "pid": c.pid, "generation": c.generation,
                    "state": c.state, "heartbeat_age_s": round(now - c.last_heartbeat, 1) if c.hello else None,
                    "tokens_per_s": c.stats.get("tokens_per_s"), "gpu_mem_bytes": c.stats.get("gpu_mem_bytes"),
-                   "restarts": c.restarts}
+                   "restarts": c.restarts, "work": c.stats.get("work"), "work_s": c.stats.get("work_s")}
             row.update(self.monitor.sample(c))
             if c.role == "producer" and self.coordinator:
                 row["ring"] = self.coordinator.occupancy(c.index)
@@ -261,15 +286,42 @@ class Supervisor:
             reply = m.Reply(ok=False, text=f"unknown command {cmd.action!r} {cmd.role!r} {cmd.index}")
         try:
             channel.send(self.router, reply, to=peer)
+        except zmq.Again:  # its queue is full: it does not read what it asked for
+            self.gate.drop(peer)
+            self._warn_limited(("drop", peer), "peer_dropped peer=%s reason=not_reading drop_s=%g",
+                               peer_name(peer), self.gate.drop_s)
         except zmq.ZMQError:
-            pass
+            pass  # gone already
+
+    def _warn_limited(self, key, fmt: str, *args) -> None:
+        """``log.warning`` at most once per ``LOG_EVERY_S`` per key (a peer's flood is not a log flood)."""
+        if self.log_limiter.allow(key):
+            held = self.log_limiter.held(key)
+            log.warning(fmt + (f" (and {held} more like it in the last {LOG_EVERY_S:g} s)" if held else ""), *args)
 
     # ------------------------------------------------------------------ children
+    def _kill_orphans(self) -> int:
+        """Kill and reap processes that a child started and left behind (its helpers once it has exited: the
+        supervisor is their subreaper); returns how many are still dying."""
+        keep = {c.proc.pid for c in self.producers + self.consumers if c.proc is not None}
+        killed, pending = kill_orphans(keep, self.run_id)
+        for pid, cmd in killed:
+            if pid not in self._orphans_seen:
+                self._orphans_seen.add(pid)
+                log.warning("kill_orphan pid=%d cmd=%r reason=parent_exited", pid, cmd)
+        return pending
+
+    def _exited(self, child: Child) -> None:
+        """``child`` has exited (and been reaped): nothing it started may outlive it."""
+        kill_group(child.proc, signal.SIGKILL)
+        self._kill_orphans()
+
     def _watch(self) -> None:
         co = self.coordinator
         now = time.monotonic()
         for child in self.producers:
             if child.proc is not None and child.proc.poll() is not None and child.state not in ("backoff", "failed", "exited"):
+                self._exited(child)
                 code = child.proc.returncode
                 child.last_exitcode = code
                 graceful = child.graceful_restart
@@ -298,6 +350,7 @@ class Supervisor:
                     child.proc.wait()  # reaped before its slots are reused (next pass sees the exit)
         for child in self.consumers:
             if child.proc is not None and child.proc.poll() is not None and child.state not in ("exited", "failed"):
+                self._exited(child)
                 code = child.proc.returncode
                 child.last_exitcode = code
                 if code == 0 and self.stop_reason:
@@ -319,6 +372,9 @@ class Supervisor:
     def run(self) -> Outcome:
         """Run to completion; always cleans up. Returns the exit reason and process exit code."""
         old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        if not become_subreaper():
+            log.warning("subreaper=unavailable: processes that a child starts outside its process group may "
+                        "outlive it")
         self.progress = Progress(total_steps=self.plan.total_steps, num_producers=len(self.producers))
         try:
             self._setup()
@@ -363,9 +419,11 @@ class Supervisor:
         next_status = 0.0
         while not self.stop_reason:
             got = channel.recv_from(self.router, POLL_S)
-            while got is not None:
+            handled = 0
+            while got is not None:  # bounded: a flood of frames must not keep the children unwatched
                 self._handle_safely(*got)
-                got = channel.recv_from(self.router, 0)
+                handled += 1
+                got = channel.recv_from(self.router, 0) if handled < MAX_FRAMES_PER_TURN else None
             for role, index, msg in co.pump():
                 self._send(role, index, msg)
             self._watch()
@@ -374,6 +432,7 @@ class Supervisor:
             now = time.monotonic()
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
+                self._kill_orphans()  # e.g. a daemon that a live child's helper double-forked
                 self.progress.refresh(co, self.producers, self.tokens_per_s())
                 self._write_status()
 
@@ -388,8 +447,8 @@ class Supervisor:
         """Ask consumers to checkpoint and exit, then stop producers.
 
         Consumers are waited for while they show signs of life: a consumer that has sent nothing (heartbeat,
-        ``Checkpointed``, ``Trained``) for ``shutdown_timeout_s`` is left to ``_cleanup`` (SIGTERM, then
-        SIGKILL). A final checkpoint and tau evaluation that keep heartbeating may take longer, up to
+        ``Checkpointed``, ``Trained``) for ``shutdown_timeout_s``, or whose main thread is stuck
+        (``HealthMonitor.stuck``), is left to ``_cleanup`` (SIGTERM, then SIGKILL). A final checkpoint and tau evaluation that keep heartbeating may take longer, up to
         ``SHUTDOWN_CAP_FACTOR * shutdown_timeout_s`` in all. A second signal stops waiting at once.
         """
         quiet_s = self.cfg.monitor.shutdown_timeout_s
@@ -402,7 +461,7 @@ class Supervisor:
 
         def lively(c) -> bool:  # one that never said Hello has trained nothing: _cleanup terminates it
             last = max(c.last_heartbeat, c.last_progress, start)
-            return c.alive() and c.hello and time.monotonic() - last < quiet_s
+            return c.alive() and c.hello and time.monotonic() - last < quiet_s and not self.monitor.stuck(c)
 
         while (any(lively(c) for c in self.consumers) and self.signals < 2
                and time.monotonic() - start < SHUTDOWN_CAP_FACTOR * quiet_s):
@@ -428,12 +487,19 @@ class Supervisor:
 
     def _cleanup(self) -> None:
         timeout = 0 if self.signals >= 2 else 5.0
+        for c in self.consumers + self.producers:  # all at once: the grace period is shared, not per child
+            if c.alive():
+                kill_group(c.proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
         for c in self.consumers + self.producers:
             if c.proc is not None:
-                code = terminate(c.proc, timeout)
+                code = terminate(c.proc, max(0.0, deadline - time.monotonic()))
                 if c.state not in ("failed",):
                     c.state = "exited"
                 c.last_exitcode = code
+        deadline = time.monotonic() + ORPHAN_REAP_S
+        while self._kill_orphans() and time.monotonic() < deadline:
+            time.sleep(0.02)
         for ring in self.rings:
             ring.close()
             ring.unlink()
@@ -501,6 +567,7 @@ class Supervisor:
             "elapsed_s": round(elapsed, 2),
             "rejected_messages": dict(co.rejected) if co else {},
             "rejected_frames": self.rejected_frames,
+            "refused_commands": self.refused_commands,
             "last_checkpoint": self.last_checkpoint,
             "tau_last": self._tau_last(),
         }
@@ -509,6 +576,14 @@ class Supervisor:
         tmp.write_text(json.dumps(summary, indent=1))
         os.replace(tmp, p)
         self.summary = summary
+
+
+def peer_name(peer: bytes) -> str:
+    """A peer identity for a log line: as is when printable ASCII (children, ``launch.py``), else hex (the
+    random binary identity ZeroMQ gives an anonymous peer), so no log line carries raw bytes."""
+    if peer and all(32 < b < 127 for b in peer):
+        return peer.decode()
+    return "0x" + peer.hex()
 
 
 def _free_port() -> int:

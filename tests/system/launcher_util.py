@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,3 +148,38 @@ def metrics_batch_ids(run_dir: Path) -> list[int]:
 
 def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+PID_NAMESPACE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]  # prefix: run a command as pid 1
+
+
+def pid_namespace_problem() -> str:
+    """Why ``PID_NAMESPACE`` cannot run a command here ("" when it can): it needs util-linux's ``unshare`` and
+    root (CAP_SYS_ADMIN)."""
+    if shutil.which("unshare") is None:
+        return "unshare (util-linux) is not installed"
+    try:
+        out = subprocess.run([*PID_NAMESPACE, "true"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unshare --pid failed: {e}"
+    if out.returncode != 0:
+        return f"unshare --pid --fork --mount-proc needs root (CAP_SYS_ADMIN): {out.stderr.strip()}"
+    return ""
+
+
+def fault_helpers(run_dir: Path, index: int | str = "*") -> list[int]:
+    """Pids of the helper processes that producer ``index`` (default: every producer) of ``run_dir`` started
+    under ``SPECRING_FAULT_HELPERS=1`` (from the logs: ``fault helper pid=N``), every generation."""
+    out = []
+    for log in sorted((run_dir / "logs").glob(f"producer-{index}.log")):
+        out += [int(line.split("pid=")[1].split()[0]) for line in log.read_text().splitlines()
+                if "fault helper pid=" in line]
+    return out
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` names a process that has not exited (a zombie counts as exited)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -181,7 +181,7 @@ def run_attach(ring_name: str, address: str, slot: int, marker: int, wait: bool 
 
 
 def run_creator(run_id: str, tag: str, address: str) -> None:
-    """Create ring ``segment_name(run_id, tag)`` (this pid), say Hello, then wait to be killed."""
+    """Create ring ``segment_name(run_id, tag)`` (it holds the owner lock), say Hello, then wait to be killed."""
     ring = Ring.create(segment_name(run_id, tag), num_slots=1, slot_bytes=4096)
     sock = connect(address)
     hello(sock, "creator")

@@ -21,8 +21,9 @@ import pytest
 import zmq
 
 from shared import messages as m
-from tests.system.launcher_util import (REPO, child_pid, kill_tree, make_dataset, metrics_batch_ids,
-                                        segments_of, small_flags, start_launcher, status_rows, summary, wait_for)
+from tests.system.launcher_util import (REPO, child_pid, fault_helpers, kill_tree, make_dataset, metrics_batch_ids,
+                                        process_alive, segments_of, small_flags, start_launcher, status_rows,
+                                        summary, wait_for)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -160,10 +161,15 @@ def test_chaos_producers_killed_and_hung(dataset, tmp_path):
 
 
 def test_sigkill_of_launcher_takes_children_down_and_next_run_sweeps(dataset, tmp_path):
+    """Children die with the SIGKILLed launcher; what they started (SPECRING_FAULT_HELPERS), the segments
+    and the socket are removed by ``launch.py clean``."""
     run_dir = tmp_path / "run"
-    proc = start_launcher(small_flags(dataset, run_dir, 200), log_path=tmp_path / "launcher.log")
+    proc = start_launcher(small_flags(dataset, run_dir, 200), env={"SPECRING_FAULT_HELPERS": "1"},
+                          log_path=tmp_path / "launcher.log")
+    helpers: list[int] = []
     try:
         wait_for(lambda: child_pid(run_dir, "consumer", 0) and child_pid(run_dir, "producer", 1), 120, "children up")
+        helpers = wait_for(lambda: len(fault_helpers(run_dir)) == 4 and fault_helpers(run_dir), 30, "helpers up")
         kids = [r["pid"] for r in status_rows(run_dir) if r["pid"]]
         run_id = _run_id(run_dir)
         assert segments_of(run_id)
@@ -173,14 +179,15 @@ def test_sigkill_of_launcher_takes_children_down_and_next_run_sweeps(dataset, tm
         wait_for(lambda: not any(psutil.pid_exists(k) and psutil.Process(k).status() != psutil.STATUS_ZOMBIE
                                  for k in kids), 10, "children to exit after the launcher's SIGKILL")
         print(f"children gone {time.monotonic() - t0:.2f}s after the launcher's SIGKILL")
+        assert segments_of(run_id), "segments must survive until swept"
+        out = subprocess.run([sys.executable, "launch.py", "clean", "--run-dir", str(run_dir)], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert segments_of(run_id) == []
+        assert not (run_dir / "coord.sock").exists()
+        wait_for(lambda: not any(process_alive(h) for h in helpers), 10, f"clean to kill the helpers {helpers}")
     finally:
-        kill_tree(proc)
-    assert segments_of(run_id), "segments must survive until swept"
-    out = subprocess.run([sys.executable, "launch.py", "clean", "--run-dir", str(run_dir)], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert segments_of(run_id) == []
-    assert not (run_dir / "coord.sock").exists()
+        kill_tree(proc, [h for h in helpers if process_alive(h)])
 
 
 def test_consumer_death_stops_run_and_resume_completes_exactly_once(dataset, tmp_path):

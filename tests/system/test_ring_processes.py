@@ -34,6 +34,7 @@ import ring_worker  # noqa: E402
 
 from shared import layout, messages, ring  # noqa: E402
 from shared.ring import PUBLISHED, WRITING, Ring  # noqa: E402
+from tests.system.launcher_util import PID_NAMESPACE, pid_namespace_problem  # noqa: E402
 
 WORKER = os.path.join(HERE, "ring_worker.py")
 WAIT_S = 30.0  # the longest any single wait for a child may take (child start-up imports torch)
@@ -66,9 +67,10 @@ class Harness:
         self.rings.append(r)
         return r
 
-    def spawn(self, role: str, *args: str) -> subprocess.Popen:
+    def spawn(self, role: str, *args: str, prefix: list[str] = ()) -> subprocess.Popen:
+        """Start ``ring_worker.py role args`` (behind ``prefix``, e.g. ``unshare ...``, when given)."""
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        p = subprocess.Popen([sys.executable, WORKER, role, *args], env=env, cwd=ROOT,
+        p = subprocess.Popen([*prefix, sys.executable, WORKER, role, *args], env=env, cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.procs.append(p)
         return p
@@ -262,8 +264,8 @@ def test_sweep_stale_removes_a_dead_creators_segment_and_keeps_a_live_one(h):
     live = h.spawn("creator", "--run-id", h.run_id, "--tag", "live", "--address", addr)
     for p in (dead, live):
         expect(sock, messages.Hello, "Hello from a creator", proc=p)
-    dead_name = ring.segment_name(h.run_id, "dead", pid=dead.pid)
-    live_name = ring.segment_name(h.run_id, "live", pid=live.pid)
+    dead_name = ring.segment_name(h.run_id, "dead")
+    live_name = ring.segment_name(h.run_id, "live")
     mine = h.ring("mine", num_slots=1, slot_bytes=4096)
     assert {dead_name, live_name, mine.name} <= set(h.segments())
 
@@ -276,6 +278,35 @@ def test_sweep_stale_removes_a_dead_creators_segment_and_keeps_a_live_one(h):
 
     kill_and_reap(live.pid, live)
     assert ring.sweep_stale(h.run_id) == [live_name]
+    assert h.segments() == [mine.name]
+
+
+@pytest.mark.timeout(90)
+def test_sweeps_in_other_pid_namespaces_keep_live_segments(h):
+    """A creator that is pid 1 of its own PID namespace (a container sharing /dev/shm) and this process
+    sweep each other's segments only once their owner is dead: the owner's lock decides, not a pid."""
+    problem = pid_namespace_problem()
+    if problem:
+        pytest.skip(problem)
+    sock, addr = h.bind()
+    creator = h.spawn("creator", "--run-id", h.run_id, "--tag", "ns", "--address", addr, prefix=PID_NAMESPACE)
+    expect(sock, messages.Hello, "Hello from the creator in its own PID namespace", proc=creator)
+    ns_name = ring.segment_name(h.run_id, "ns")
+    mine = h.ring("mine", num_slots=1, slot_bytes=4096)
+    assert ring.sweep_stale() is not None and ns_name in h.segments(), \
+        "a sweep here removed the live segment of a creator in another PID namespace"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = f"from shared import ring; print(ring.sweep_stale({h.run_id!r}))"
+    out = subprocess.run([*PID_NAMESPACE, sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=WAIT_S)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]" and set(h.segments()) == {ns_name, mine.name}, \
+        f"a sweep in another PID namespace removed live segments: {out.stdout}"
+    kill_and_reap(creator.pid, creator)  # --kill-child: the namespace's pid 1 dies with it
+    wait_for_gone = time.monotonic() + 10
+    while ring.segment_owned(ns_name) and time.monotonic() < wait_for_gone:
+        time.sleep(0.05)
+    assert ring.sweep_stale(h.run_id) == [ns_name]
     assert h.segments() == [mine.name]
 
 

@@ -7,6 +7,7 @@ pages exactly as two processes do.
 
 from __future__ import annotations
 
+import fcntl
 import gc
 import os
 import struct
@@ -52,22 +53,24 @@ def mapped_paths() -> set[str]:
 
 
 # ------------------------------------------------------------------ names and layout
-def test_segment_name_carries_run_id_and_creator_pid():
+def test_segment_name_carries_run_id_and_no_pid():
     name = ring.segment_name("abc123", "p0")
-    assert name == f"specring-abc123-{os.getpid()}-p0"
+    assert name == "specring-abc123-p0"
     m = ring._NAME_RE.match(name)
-    assert m and m["run"] == "abc123" and int(m["pid"]) == os.getpid() and m["tag"] == "p0"
-    assert ring.segment_name("r1", "p.1", pid=42) == "specring-r1-42-p.1"
+    assert m and m["run"] == "abc123" and m["pid"] is None and m["tag"] == "p0"
+    assert ring.segment_name("r1", "p.1") == "specring-r1-p.1"
+    legacy = ring._NAME_RE.match("specring-r1-42-p.1")  # older builds put the creator's pid in the name
+    assert legacy and legacy["run"] == "r1" and legacy["tag"] == "p.1"
     with pytest.raises(ValueError, match="run_id"):
         ring.segment_name("bad-id", "p0")
     with pytest.raises(ValueError, match="tag"):
         ring.segment_name("ok", "a/b")
 
 
-def test_new_run_ids_are_alphanumeric_and_distinct():
-    ids = {ring.new_run_id() for _ in range(50)}
-    assert all(i.isalnum() for i in ids)
-    assert len(ids) > 1
+def test_new_run_ids_are_alphanumeric_distinct_and_carry_no_pid():
+    ids = {ring.new_run_id() for _ in range(200)}
+    assert all(i.isalnum() and len(i) == 16 for i in ids)
+    assert len(ids) == 200  # 32 random bits each: two runs started in one second (pid 1 each) differ
 
 
 def test_created_segment_layout(owner, run_id):
@@ -306,31 +309,40 @@ def test_pin_registers_in_place_and_unregisters_on_close(run_id):
 
 
 # ------------------------------------------------------------------ sweeping
-def test_sweep_removes_dead_creators_and_keeps_live_ones(owner, run_id):
+def test_sweep_removes_unowned_segments_and_keeps_owned_ones(owner, run_id):
+    """Ownership is the creator's flock, not a pid: a file nobody locks is swept, one locked through any
+    open file description (another process, another PID namespace) is kept."""
     with open("/proc/sys/kernel/pid_max") as f:
         dead_pid = int(f.read()) + 1  # no process can have this pid
-    dead = ring.segment_name(run_id, "dead", pid=dead_pid)
-    reused = ring.segment_name(run_id, "reused")  # our pid, but another process's start time
-    other_run = ring.segment_name(run_id + "x", "dead", pid=dead_pid)
-    unparsable = f"{ring.NAME_PREFIX}{run_id}-notapid-x"
+    unowned = ring.segment_name(run_id, "dead")
+    legacy = f"{ring.NAME_PREFIX}{run_id}-{dead_pid}-p0"  # an older build's name (no lock): its pid is dead
+    legacy_live = f"{ring.NAME_PREFIX}{run_id}-{os.getpid()}-p1"  # ... and one whose creator still runs
+    held = ring.segment_name(run_id, "held")
+    other_run = ring.segment_name(run_id + "x", "dead")
+    unparsable = f"{ring.NAME_PREFIX}{run_id}-not a tag"
+    closed = Ring.create(ring.segment_name(run_id, "closed"), num_slots=1, slot_bytes=4096)
+    closed.close()  # unmapped but not unlinked: its creator (this process) still owns it
     try:
-        for name in (dead, other_run, unparsable):
+        for name in (unowned, legacy, legacy_live, held, other_run, unparsable):
             with open(shm_path(name), "wb") as f:
                 f.write(bytes(64))
-        r2 = Ring.create(reused, num_slots=1, slot_bytes=4096)
-        r2.close()
-        with open(shm_path(reused), "r+b") as f:  # pretend an earlier process with our pid created it
-            f.seek(ring.RING_HEADER.size - 16 - 4 - 8)
-            f.write(struct.pack("<d", 1.0))
-        removed = ring.sweep_stale(run_id)
-        assert sorted(removed) == sorted([dead, reused])
-        assert os.path.exists(shm_path(owner.name)), "sweep removed the segment of a live creator"
+        holder = os.open(shm_path(held), os.O_RDONLY)
+        fcntl.flock(holder, fcntl.LOCK_SH)
+        assert ring.segment_owned(owner.name) and ring.segment_owned(held) and ring.segment_owned(closed.name)
+        assert not ring.segment_owned(unowned) and not ring.segment_owned(ring.segment_name(run_id, "missing"))
+        assert sorted(ring.sweep_stale(run_id)) == sorted([unowned, legacy])
+        for name in (owner.name, held, closed.name, legacy_live):
+            assert os.path.exists(shm_path(name)), f"sweep removed {name}, which a live process owns"
         assert os.path.exists(shm_path(other_run)), "sweep with a run id touched another run"
         assert os.path.exists(shm_path(unparsable))
         assert ring.sweep_stale(run_id + "x") == [other_run]
+        os.close(holder)  # its owner exits: now it is stale
+        closed.unlink()
+        assert ring.sweep_stale(run_id) == [held]
         assert ring.sweep_stale(run_id) == []
     finally:
-        for name in (dead, reused, other_run, unparsable):
+        closed.unlink()
+        for name in (unowned, legacy, legacy_live, held, other_run, unparsable):
             if os.path.exists(shm_path(name)):
                 os.unlink(shm_path(name))
 

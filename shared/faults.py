@@ -1,0 +1,106 @@
+"""Fault injection for tests and chaos drills: the ``SPECRING_*`` environment hooks of the child processes.
+
+None of them is set in a normal run; each one that is set logs a ``fault ...`` warning in the child that
+reads it, so a hook left on is visible in the logs. Hooks read here:
+
+``SPECRING_FAULT_HELPERS=1``
+    The producer starts two helper processes (``sleep 600``) at start-up, as target code may: one in its
+    own process group, one in a session of its own (``setsid``, out of reach of a group kill). Neither may
+    outlive the producer's restart or the run.
+
+``SPECRING_SLOW_FORWARD_S=<seconds>``
+    The producer sleeps this long in every batch, before the forward (a long sequence on a big target, a
+    cold compile): the batch takes longer, the process stays healthy.
+``SPECRING_STALL_FORWARD=<index>:<generation>``
+    That producer incarnation never returns from its first batch (it waits on an event nobody sets, as a
+    deadlock in the forward would): its process and its heartbeat thread live on, its batch never ends.
+
+Hooks read where they act: ``SPECRING_SLOW_WRITE_S`` (``producers.main``), ``SPECRING_INJECT_NONFINITE``
+(``producers.producer``), ``SPECRING_SLOW_CHECKPOINT_S`` (``consumer.checkpoint``), ``SPECRING_SLOW_EVAL_S``
+(``consumer.evaluate``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import threading
+import time
+
+from shared.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+HELPERS_ENV = "SPECRING_FAULT_HELPERS"
+SLOW_FORWARD_ENV = "SPECRING_SLOW_FORWARD_S"
+STALL_FORWARD_ENV = "SPECRING_STALL_FORWARD"
+
+
+def flag(name: str) -> bool:
+    """``$name`` as a switch: unset, empty or ``0`` is off, ``1`` is on; ``ConfigError`` naming it otherwise."""
+    text = os.environ.get(name, "").strip()
+    if text not in ("", "0", "1"):
+        raise ConfigError(f"{name}={text!r} must be 0 or 1")
+    return text == "1"
+
+
+def start_helpers() -> list[subprocess.Popen]:
+    """Under ``SPECRING_FAULT_HELPERS=1``: start the two helpers (see the module docstring) and return them;
+    ``[]`` otherwise. Each helper's pid is logged as ``fault helper pid=N session=group|own``."""
+    if not flag(HELPERS_ENV):
+        return []
+    helpers = []
+    for own_session in (False, True):
+        p = subprocess.Popen(["sleep", "600"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             start_new_session=own_session)
+        log.warning("fault helper pid=%d session=%s", p.pid, "own" if own_session else "group")
+        helpers.append(p)
+    return helpers
+
+
+def seconds(name: str) -> float:
+    """``$name`` as seconds (0 when unset or empty); ``ConfigError`` naming it if not a finite number >= 0."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise ConfigError(f"{name}={text!r} must be a finite number >= 0")
+    return value
+
+
+def stall_target() -> tuple[int, int] | None:
+    """``$SPECRING_STALL_FORWARD`` as ``(producer index, generation)``; None when unset; ``ConfigError``
+    naming it unless it reads ``<index>:<generation>`` with integers >= 0 and >= 1."""
+    text = os.environ.get(STALL_FORWARD_ENV, "").strip()
+    if not text:
+        return None
+    index, sep, gen = text.partition(":")
+    if not (sep and index.isdigit() and gen.isdigit() and int(gen) >= 1):
+        raise ConfigError(f"{STALL_FORWARD_ENV}={text!r} must read <producer index>:<generation>, e.g. 0:1")
+    return int(index), int(gen)
+
+
+class ForwardFaults:
+    """The forward hooks of one producer incarnation (``SPECRING_SLOW_FORWARD_S``, ``SPECRING_STALL_FORWARD``),
+    read once at start-up; ``before_forward()`` applies them. Raises ``ConfigError`` for bad values."""
+
+    def __init__(self, index: int, generation: int):
+        self.slow_s = seconds(SLOW_FORWARD_ENV)
+        self.stall = stall_target() == (index, generation)
+        if self.slow_s:
+            log.warning("fault slow_forward_s=%g", self.slow_s)
+        if self.stall:
+            log.warning("fault stall_forward index=%d generation=%d", index, generation)
+
+    def before_forward(self) -> None:
+        """Sleep ``slow_s``; under a stall, never return (the GIL is released, as in a real deadlock)."""
+        if self.slow_s:
+            time.sleep(self.slow_s)
+        if self.stall:
+            log.warning("fault stalling forever")
+            threading.Event().wait()

@@ -1,0 +1,47 @@
+"""System test: a slow batch is not a hang, and a stalled one still is (issue 14, item 4).
+
+A batch slower than ``--hang-timeout-s`` (a long sequence on a big target, a cold compile) must not get its
+producer killed; a forward that never returns (a deadlock, with the process otherwise alive and the
+heartbeat still going) must still be found, by the per-batch budget ``monitor.batch_timeout_s``. SIGSTOP
+(every thread stops) is covered by the chaos test in ``test_launcher.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.system.launcher_util import (kill_tree, make_dataset, metrics_batch_ids, small_flags, start_launcher,
+                                        summary)
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return make_dataset(tmp_path_factory.mktemp("data") / "small.arrow")
+
+
+def test_batches_slower_than_the_hang_timeout_train_and_a_stalled_forward_is_killed(dataset, tmp_path):
+    """Every forward takes 4 s, the hang timeout is 3 s: nothing is killed for it. Producer 0's first
+    incarnation never returns from its first forward: it is killed once its batch has run past
+    ``batch_timeout_s`` (8 s), and its replacement produces the batch."""
+    run_dir = tmp_path / "run"
+    cfg = tmp_path / "run.toml"
+    cfg.write_text("[monitor]\nbatch_timeout_s = 8.0\n")
+    flags = small_flags(dataset, run_dir, 4, hang_timeout_s=3, max_restarts=2)
+    proc = start_launcher(["--config", str(cfg), *flags], log_path=tmp_path / "launcher.log",
+                          env={"SPECRING_SLOW_FORWARD_S": "4", "SPECRING_STALL_FORWARD": "0:1"})
+    try:
+        code = proc.wait(timeout=200)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    log = (tmp_path / "launcher.log").read_text()
+    assert code == 0, log[-4000:]
+    s = summary(run_dir)
+    assert s["exit_reason"] == "done" and s["restarts"] == {"0": 1, "1": 0}, s
+    assert log.count("hang producer=") == 1 and "batch_timeout_s=8" in log, log[-4000:]
+    ids = metrics_batch_ids(run_dir)
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == s["planned_batches"] == 4
