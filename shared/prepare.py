@@ -43,6 +43,7 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from shared.config import MAX_INT32, check_numbers, finite_number, num
 from shared.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -186,14 +187,28 @@ def render_chat(tok, turns: list[dict[str, str]], chat_template: str | None = No
     return ids.astype(np.int32), mask
 
 
+@dataclass(kw_only=True)
+class PrepareOptions:
+    """The numeric options of ``launch.py prepare`` (``None``: the command's default), checked like every
+    config field (``shared.config.check_numbers``: finite, in range); ``ConfigError.key`` names the field."""
+    max_length: int | None = num(None, ge=1, le=MAX_INT32)   # tokens per sample
+    workers: int | None = num(None, ge=1, le=1024)           # tokenizer processes
+
+    def __post_init__(self):
+        check_numbers(self)
+
+
 @dataclass
 class EncoderConfig:
     """What a worker needs to turn rows into samples (picklable)."""
     tokenizer_dir: str
-    max_length: int
+    max_length: int = num(ge=1, le=MAX_INT32)
     overlong: str = "truncate"        # or "drop"
-    vocab_size: int = 0               # 0 = from the tokenizer directory
+    vocab_size: int = num(0, ge=0, le=MAX_INT32)   # 0 = from the tokenizer directory
     chat_template: str | None = None
+
+    def __post_init__(self):
+        check_numbers(self)
 
 
 @dataclass
@@ -735,12 +750,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", action="append", default=[], help="another input (repeatable)")
     p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="local Hugging Face tokenizer directory")
     p.add_argument("--output", help="Arrow file to write (its sidecar gets the suffix .json)")
-    p.add_argument("--max-length", type=int, default=None,
+    p.add_argument("--max-length", type=finite_number(int), default=None,
                    help=f"tokens per sample (default 2048; {DEMO_MAX_LENGTH} for --demo)")
     p.add_argument("--overlong", choices=("truncate", "drop"), default="truncate",
                    help="what to do with samples longer than --max-length")
     p.add_argument("--strict", action="store_true", help="stop with an error at the first bad row")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=finite_number(int), default=None,
                    help="tokenizer processes, 1 = in this process (default: min(8, CPUs); 1 for --demo, whose "
                         "whole-file batches the Rust tokenizer already spreads over threads)")
     p.add_argument("--chat-template", help="a Jinja chat template file to use instead of the tokenizer's")
@@ -754,10 +769,10 @@ def main(argv: list[str]) -> int:
     """``launch.py prepare``: returns 0 on success, 2 for a bad flag or input, 1 for ``--strict`` or no samples."""
     args = build_parser().parse_args(argv)
     try:
-        if args.max_length is not None and args.max_length < 1:
-            raise ConfigError(f"--max-length must be >= 1, got {args.max_length}")
-        if args.workers is not None and args.workers < 1:
-            raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+        try:
+            PrepareOptions(max_length=args.max_length, workers=args.workers)
+        except ConfigError as e:
+            raise ConfigError(f"--{e.key.replace('_', '-')}: {e.detail}", key=e.key, detail=e.detail) from None
         t0 = time.perf_counter()
         if args.demo:
             train, heldout = build_demo(Path(args.demo_dir), tokenizer=Path(args.tokenizer),

@@ -27,6 +27,7 @@ from supervisor.coordinator import BatchInfo
 log = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+MAX_PLANNED_BATCHES = 10**7   # batches of one run's order (each a BatchInfo in the coordinator's ledger)
 
 
 @dataclass
@@ -174,6 +175,7 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     except (ConfigError, ValueError) as e:
         raise ConfigError(f"--target-layers: {e}") from None
     cfg.producer.target_layer_ids = list(ids)
+    notes = []
     if not cfg.data.data:
         from shared.prepare import ensure_demo
         train, heldout = ensure_demo(REPO_ROOT)
@@ -192,7 +194,12 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     per_epoch = plan.num_batches()
     world, accum = len(cfg.trainer.devices), cfg.trainer.grad_accum
     per_step = world * accum
-    notes = []
+    need = cfg.trainer.epochs * per_epoch if cfg.trainer.epochs else cfg.trainer.max_steps * per_step
+    if need > MAX_PLANNED_BATCHES:
+        key = "trainer.epochs" if cfg.trainer.epochs else "trainer.max_steps"
+        raise ConfigError(f"{cfg.origin(key)}: the run would plan {need:,} batches ({per_epoch:,} per epoch); at "
+                          f"most {MAX_PLANNED_BATCHES:,} are planned at once (the batch ledger is held in memory)",
+                          key=key)
     order: list[BatchInfo] = []
     if cfg.trainer.epochs:
         for e in range(cfg.trainer.epochs):
