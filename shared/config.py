@@ -189,7 +189,8 @@ class ProducerConfig:
     dtype: str = "auto"                # auto = bfloat16 on CUDA, float32 on CPU
     # DFlash convention: id i = output of decoder layer i
     target_layer_ids: list[int] | None = num(None, ge=0, le=2**16)
-    num_target_layers: int = num(5, ge=1, le=2**16)   # used when target_layer_ids is None
+    # used when target_layer_ids is None; None = the DFlash default (5, fewer on a shallow target)
+    num_target_layers: int | None = num(None, ge=1, le=2**16)
     random_weights: bool = False       # benchmarks: random target weights of the checkpoint's shape
 
     def __post_init__(self):

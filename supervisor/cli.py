@@ -46,7 +46,7 @@ FLAGS = {
     "producers": ("producer", "devices", _devices, "one producer per device, e.g. cuda:0,cuda:1 or cpu,cpu"),
     "dtype": ("producer", "dtype", str, "target dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32"),
     "target_layers": ("producer", "target_layer_ids", _ints, "captured target layer ids, e.g. 1,9,17,25,33"),
-    "num_target_layers": ("producer", "num_target_layers", _INT, "number of captured layers when --target-layers is not given"),
+    "num_target_layers": ("producer", "num_target_layers", _INT, "number of captured layers when --target-layers is not given (default: 5, spread over 1..L-3; fewer on a target of under 8 layers)"),
     "consumers": ("trainer", "devices", _devices, "one drafter trainer (data-parallel rank) per device"),
     "block_size": ("trainer", "block_size", _INT, "DFlash block size B"),
     "num_anchors": ("trainer", "num_anchors", _INT, "anchors per sequence"),

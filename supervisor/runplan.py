@@ -161,7 +161,7 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     ``cfg.producer.target_layer_ids``, ``cfg.ring.slot_bytes`` when 0 and ``cfg.trainer.max_steps`` when
     ``--epochs`` is given, so that children read fully resolved values.
     """
-    from producers.target import resolve_layer_ids
+    from producers.target import DEFAULT_NUM_TARGET_LAYERS, resolve_layer_ids
     from shared.data import BatchPlan
 
     for i, d in enumerate(cfg.producer.devices):
@@ -170,12 +170,18 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         check_device(d, "--consumers")
     shape = target_shape(cfg.producer.target)
     L, H = int(shape["num_hidden_layers"]), int(shape["hidden_size"])
+    asked_ids, asked_n = cfg.producer.target_layer_ids, cfg.producer.num_target_layers
     try:
-        ids = resolve_layer_ids(L, cfg.producer.target_layer_ids, cfg.producer.num_target_layers)
+        ids = resolve_layer_ids(L, asked_ids, asked_n)
     except (ConfigError, ValueError) as e:
-        raise ConfigError(f"--target-layers: {e}") from None
+        key = "producer.target_layer_ids" if asked_ids is not None else "producer.num_target_layers"
+        detail = e.detail if isinstance(e, ConfigError) else str(e)
+        raise ConfigError(f"{cfg.origin(key)}: {detail}", key=key, detail=detail) from None
     cfg.producer.target_layer_ids = list(ids)
     notes = []
+    if asked_ids is None and asked_n is None and len(ids) < DEFAULT_NUM_TARGET_LAYERS:
+        notes.append(f"the {L}-layer target gives {len(ids)} default capture layers {ids} (DFlash default "
+                     f"{DEFAULT_NUM_TARGET_LAYERS} on deeper targets)")
     if not cfg.data.data:
         from shared.prepare import ensure_demo
         train, heldout = ensure_demo(REPO_ROOT)
