@@ -65,7 +65,7 @@ BAD_KINDS = {
     "unknown_role": "a turn whose role is not system/user/assistant/tool (or a ShareGPT alias)",
     "no_assistant_turn": "a conversation without an assistant turn",
     "template_error": "the chat template failed to render the conversation",
-    "template_mismatch": "assistant content not found verbatim in the rendered template",
+    "template_mismatch": "an assistant turn cannot be located in the rendered template (dropped, repeated or moved)",
     "bad_input_ids": "input_ids or loss_mask is not a flat list of integers",
     "token_out_of_range": "a token id < 0 or >= the vocab size",
     "loss_mask_length": "loss_mask length differs from input_ids length",
@@ -139,16 +139,14 @@ def render_chat(tok, turns: list[dict[str, str]], chat_template: str | None = No
     """Tokens of a conversation rendered with the chat template, and its assistant loss mask.
 
     Returns ``(input_ids [T] int32, loss_mask [T] uint8)``. ``loss_mask`` is 1 on every token that
-    overlaps the characters of an assistant turn's content, and on the first token after that content
-    when it is a special token (the end-of-turn token, ``<|im_end|>`` for ChatML: the drafter must learn
-    to end a turn); 0 elsewhere (role headers, the newline after the end-of-turn token, other turns).
-    Empty assistant turns carry no loss.
-
-    Works for any template, with or without ``{% generation %}`` markers: the text is rendered once and
-    tokenized with character offsets; each assistant content is located verbatim in the text, searching
-    from the end of the rendering of the turns before it with the generation prompt when that rendering is
-    a prefix of the whole text (so a user turn that quotes the answer cannot be matched), else from the end
-    of the previous assistant content. Raises ``BadRow`` (``no_assistant_turn``, ``template_error``,
+    overlaps the characters the template rendered from an assistant turn's content, and on the first token
+    after them when it is a special token (the end-of-turn token, ``<|im_end|>`` for ChatML: the drafter must
+    learn to end a turn); 0 elsewhere (role headers, text the template adds, the newline after the
+    end-of-turn token, other turns). An empty assistant turn carries loss on its end-of-turn token only
+    (as transformers' ``{% generation %}`` mask has it), or none when the template renders an empty turn
+    differently from a non-empty one. Where the assistant text is found is decided by ``assistant_spans``, which works for any turn order, system and tool turns, several
+    assistant turns and templates that add text or transform the content (``| trim``), with or without
+    ``{% generation %}`` markers. Raises ``BadRow`` (``no_assistant_turn``, ``template_error``,
     ``template_mismatch``).
     """
     if not any(t["role"] == "assistant" for t in turns):
@@ -157,23 +155,12 @@ def render_chat(tok, turns: list[dict[str, str]], chat_template: str | None = No
         text = tok.apply_chat_template(turns, tokenize=False, chat_template=chat_template)
     except Exception as e:  # jinja errors, "roles must alternate", no template at all
         raise BadRow("template_error", f"{type(e).__name__}: {e}") from None
-    spans, cursor = [], 0
-    for i, t in enumerate(turns):
-        if t["role"] != "assistant" or not t["content"]:
-            continue
-        start = cursor
-        try:
-            prefix = tok.apply_chat_template(turns[:i], tokenize=False, add_generation_prompt=True,
-                                             chat_template=chat_template) if i else ""
-            if text.startswith(prefix):
-                start = max(start, len(prefix))
-        except Exception:
-            pass
-        pos = text.find(t["content"], start)
-        if pos < 0:
-            raise BadRow("template_mismatch", f"turn {i}: assistant content not found in the rendered text")
-        spans.append((pos, pos + len(t["content"])))
-        cursor = pos + len(t["content"])
+    try:
+        spans = assistant_spans(tok, turns, text, chat_template, include_empty=True)
+    except BadRow:
+        if all(t["content"] for t in turns if t["role"] == "assistant"):
+            raise
+        spans = assistant_spans(tok, turns, text, chat_template)  # empty turns rendered apart: no loss
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
     offs = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
@@ -185,6 +172,73 @@ def render_chat(tok, turns: list[dict[str, str]], chat_template: str | None = No
         if len(after) and int(ids[after[0]]) in special:
             mask[after[0]] = 1
     return ids.astype(np.int32), mask
+
+
+def assistant_spans(tok, turns: list[dict[str, str]], text: str, chat_template: str | None = None,
+                    include_empty: bool = False) -> list[tuple[int, int]]:
+    """Character spans ``[(start, end)]`` of ``text`` (the conversation as the template renders it) that
+    the template rendered from the assistant contents, in turn order: the non-empty ones, and with
+    ``include_empty`` the empty ones too (as empty spans ``(p, p)`` where they sit). A content that renders
+    as nothing gives an empty span, or none without ``include_empty``.
+
+    The conversation is rendered a second time with each non-empty assistant content replaced by a
+    marker that no template changes (private-use characters and digits: no letters to upper-case, no
+    spaces to trim). The text between the markers is what the template itself writes (headers, system
+    prompts, separators); those pieces are matched in order against ``text``, and what lies between two
+    of them is the rendering of one assistant content, wherever it is and whatever else in the
+    conversation repeats it (a user turn quoting the answer, content equal to a role name or to part of a
+    header). So a text search never lands on template text.
+
+    Raises ``BadRow("template_error")`` when the template fails on the marked conversation and
+    ``BadRow("template_mismatch")`` naming the turn when the template drops, repeats or reorders an
+    assistant content, or renders the text around it differently depending on the content itself (e.g.
+    a reasoning block moved out of the content).
+    """
+    which = [i for i, t in enumerate(turns) if t["role"] == "assistant" and (t["content"] or include_empty)]
+    if not which:
+        return []
+    nonce = 0
+    while True:
+        marks = {i: f"\ue000{nonce}{n:04d}\ue001" for n, i in enumerate(which)}
+        if not any(m in text or any(m in t["content"] for t in turns) for m in marks.values()):
+            break
+        nonce += 1
+    probe = [dict(t, content=marks[i]) if i in marks else t for i, t in enumerate(turns)]
+    try:
+        marked = tok.apply_chat_template(probe, tokenize=False, chat_template=chat_template)
+    except Exception as e:
+        raise BadRow("template_error", f"{type(e).__name__}: {e}") from None
+    pieces, pos = [], 0
+    for i in which:
+        at = marked.find(marks[i], pos)
+        if at < 0 or marked.count(marks[i]) != 1:
+            raise BadRow("template_mismatch", f"turn {i}: the chat template does not render this assistant "
+                                              f"content exactly once, in order")
+        pieces.append(marked[pos:at])
+        pos = at + len(marks[i])
+    pieces.append(marked[pos:])
+    if not text.startswith(pieces[0]):
+        raise BadRow("template_mismatch", f"turn {which[0]}: the template renders the turns before this "
+                                          f"assistant turn differently depending on its content")
+    spans, cur = [], len(pieces[0])
+    for k, i in enumerate(which):
+        after, content, last = pieces[k + 1], turns[i]["content"], k + 1 == len(which)
+        verbatim = text.startswith(content, cur) and (
+            len(text) - len(after) == cur + len(content) and text.endswith(after) if last
+            else text.startswith(after, cur + len(content)))
+        if verbatim:
+            end = cur + len(content)
+        elif last:
+            end = len(text) - len(after) if text.endswith(after) else -1
+        else:
+            end = text.find(after, cur)
+        if end < cur:
+            raise BadRow("template_mismatch", f"turn {i}: the template renders the text after this assistant "
+                                              f"turn differently depending on its content")
+        if end > cur or include_empty:
+            spans.append((cur, end))
+        cur = end + len(after)
+    return spans
 
 
 @dataclass(kw_only=True)

@@ -93,6 +93,89 @@ def test_chat_mask_ignores_a_user_turn_that_quotes_the_answer(tok):
     assert masked_runs(tok, ids, mask) == ["def f(): pass<|im_end|>"]
 
 
+def _t(*pairs):
+    return [{"role": r, "content": c} for r, c in pairs]
+
+
+# Conversations of every shape (issue 14 item 7): turn orders, system/tool turns, empty contents, contents
+# that equal template text, repeated answers. Oracle: transformers' own {% generation %} mask.
+SHAPES = {
+    "starts_with_assistant": _t(("assistant", "t"), ("user", "ok"), ("assistant", "done")),
+    "only_assistant": _t(("assistant", "a")),
+    "system_first": _t(("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello")),
+    "assistant_then_system": _t(("assistant", "first"), ("system", "s"), ("assistant", "second")),
+    "empty_assistant_between": _t(("user", "q"), ("assistant", ""), ("user", "q2"), ("assistant", "a2")),
+    "consecutive_assistants": _t(("user", "q"), ("assistant", "x"), ("assistant", "x")),
+    "content_is_a_role_name": _t(("user", "assistant"), ("assistant", "assistant"), ("user", "user"),
+                                 ("assistant", "user")),
+    "content_is_template_text": _t(("assistant", "<|im_start|>"), ("user", "\n"), ("assistant", "\n")),
+    "repeated_answer_quoted_first": _t(("user", "ok ok"), ("assistant", "ok"), ("user", "ok?"), ("assistant", "ok")),
+    "tool_turns": _t(("user", "run"), ("assistant", "call f"), ("tool", "f -> 1"), ("assistant", "1")),
+    "single_characters": _t(("assistant", "s"), ("user", "s"), ("assistant", "s")),
+}
+
+
+# The fixture's template with {% generation %} markers around each answer and its <|im_end|>, rendering the
+# very same text (the {{ "\n" }} survives trim_blocks).
+FIXTURE_MARKED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+                  "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{{ '\\n' }}"
+                  "{% else %}{{ m['content'] }}<|im_end|>{{ '\\n' }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_chat_mask_of_every_shape_equals_the_generation_mask(tok, shape):
+    turns = SHAPES[shape]
+    out = tok.apply_chat_template(turns, chat_template=FIXTURE_MARKED, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    assert tok.decode(out["input_ids"], skip_special_tokens=False) == tok.apply_chat_template(turns, tokenize=False)
+    for template in (FIXTURE_MARKED, None):       # with markers, and the fixture's own template without
+        ids, mask = render_chat(tok, turns, template)
+        assert ids.tolist() == list(out["input_ids"])
+        assert mask.tolist() == list(out["assistant_masks"]), (shape, template)
+
+
+def test_chat_that_starts_with_the_assistant_masks_its_content_not_the_header(tok):
+    """The reported input: the mask landed on <|im_start|> and ``t``/its <|im_end|> got 0."""
+    ids, mask = render_chat(tok, SHAPES["starts_with_assistant"])
+    toks = tok.convert_ids_to_tokens(ids.tolist())
+    assert [t for t, m in zip(toks, mask.tolist()) if m] == ["t", "<|im_end|>", "done", "<|im_end|>"]
+
+
+# Templates that add text of their own: a default system prompt that contains the answers, a reasoning
+# block before every answer, trimmed and upper-cased content.
+SYSTEM_ADDING = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant. "
+                 "Say ok, t or done.<|im_end|>\n{% endif %}" + MARKED_TEMPLATE)
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+            "<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}")
+TRIMMING = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] | trim }}"
+            "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}\n{% endfor %}")
+
+
+@pytest.mark.parametrize("template, turns, want", [
+    (SYSTEM_ADDING, _t(("assistant", "t"), ("user", "ok"), ("assistant", "done")), ["t<|im_end|>", "done<|im_end|>"]),
+    (SYSTEM_ADDING, _t(("user", "ok"), ("assistant", "ok")), ["ok<|im_end|>"]),
+    (THINKING, _t(("user", "q"), ("assistant", "think"), ("user", "q"), ("assistant", "</think>")),
+     ["think<|im_end|>", "</think><|im_end|>"]),
+    (TRIMMING, _t(("assistant", "  ASSISTANT  "), ("user", " x "), ("assistant", "\nUSER\n")),
+     [" ASSISTANT<|endoftext|>", " USER<|endoftext|>"]),   # the template's space is merged into the token
+    (PLAIN_TEMPLATE, _t(("assistant", "ASSISTANT"), ("user", "###"), ("assistant", "###")),
+     ["ASSISTANT<|endoftext|>", "###<|endoftext|>"]),
+])
+def test_chat_mask_with_templates_that_add_or_change_text(tok, template, turns, want):
+    ids, mask = render_chat(tok, turns, template)
+    assert masked_runs(tok, ids, mask) == want
+
+
+def test_a_template_whose_layout_depends_on_the_content_is_a_named_bad_row(tok):
+    # Qwen3-style: a reasoning block in the content is moved into a header the marker does not produce
+    moving = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if '</think>' in m['content'] %}"
+              "<think>{{ m['content'].split('</think>')[0] }}</think>\n{{ m['content'].split('</think>')[1] }}"
+              "{% else %}<think></think>\n{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}")
+    with pytest.raises(prepare.BadRow, match="turn 1: .*depending on its content") as e:
+        render_chat(tok, _t(("user", "q"), ("assistant", "r</think>a")), moving)
+    assert e.value.kind == "template_mismatch"
+
+
 def test_sharegpt_turns_normalise():
     turns = normalize_turns([{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
                              {"from": "gpt", "value": "a"}])
