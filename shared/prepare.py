@@ -44,6 +44,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from shared.config import MAX_INT32, check_numbers, finite_number, num
+from shared.data import has_anchor
 from shared.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -71,6 +72,8 @@ BAD_KINDS = {
     "loss_mask_length": "loss_mask length differs from input_ids length",
     "loss_mask_values": "loss_mask values other than 0 and 1",
     "loss_mask_all_zero": "no token carries loss (after truncation)",
+    "no_anchor": "no two adjacent tokens carry loss (after truncation): a DFlash anchor needs "
+                 "loss_mask[p] == loss_mask[p+1] == 1, so the sample would train nothing",
 }
 ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
                 "gpt": "assistant", "model": "assistant", "tool": "tool", "function": "tool",
@@ -361,6 +364,9 @@ class Encoder:
                     ids, mask = ids[:self.cfg.max_length], mask[:self.cfg.max_length]
                 if not mask.any():
                     raise BadRow("loss_mask_all_zero")
+                if not has_anchor(mask):
+                    raise BadRow("no_anchor", f"no two adjacent tokens carry loss (loss_mask "
+                                              f"{_brief(mask)}): no DFlash anchor, nothing to train")
             except BadRow as e:
                 counts[e.kind] += 1
                 if sum(1 for b in bad if b[0] == e.kind) < EXAMPLES_PER_KIND:
@@ -388,6 +394,11 @@ class Encoder:
                 rows.append(j)
         masks = [np.ones(len(x), np.uint8) for x in out_ids]
         return _result(out_ids, masks, lens, files, rows, len(task.payload), collections.Counter(), [])
+
+
+def _brief(values: np.ndarray, n: int = 12) -> str:
+    head = values[:n].tolist()
+    return f"{head}" if len(values) <= n else f"{head[:-1]}... ({len(values)} tokens)".replace("]...", ", ...]")
 
 
 def _int_array(raw: Any, name: str) -> np.ndarray:

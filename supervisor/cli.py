@@ -239,8 +239,9 @@ def train_main(argv: list[str]) -> int:
         return 2
     trained: set[int] = set()
     if cfg.resume:
-        from supervisor.resume import read_trained_from_checkpoint
-        trained = read_trained_from_checkpoint(Path(cfg.run_dir))
+        from supervisor.resume import read_checkpoint_batches
+        updated, skipped = read_checkpoint_batches(Path(cfg.run_dir))
+        trained = updated | skipped
         if all(b.batch_id in trained for b in plan.order):
             print(f"nothing to resume: all {len(plan.order)} planned batches of {cfg.run_dir} are in its latest "
                   f"checkpoint (see its summary.json)", file=sys.stderr)
@@ -249,7 +250,7 @@ def train_main(argv: list[str]) -> int:
     _setup_logging(cfg.run_dir)
     from supervisor.supervisor import Supervisor
     from tqdm.contrib.logging import logging_redirect_tqdm
-    sup = Supervisor(cfg, plan, trained=trained)
+    sup = Supervisor(cfg, plan, trained=trained, updated_before=len(updated) if cfg.resume else 0)
     try:
         with logging_redirect_tqdm():
             outcome = sup.run()
@@ -258,11 +259,16 @@ def train_main(argv: list[str]) -> int:
     s = sup.summary
     restarts = " ".join(f"producer{k}={v}" for k, v in s["restarts"].items())
     line = (f"\nrun {s['exit_reason']}: {s['trained_batches']}/{s['planned_batches']} batches trained "
-            f"(duplicates {s['duplicate_batches']}, lost {s['lost_batches']}, bad {s['bad_batches']}), "
+            f"(duplicates {s['duplicate_batches']}, lost {s['lost_batches']}, bad {s['bad_batches']}, "
+            f"skipped {s['skipped_batches']}), "
             f"loss {_fmt(s['loss_first'])} -> {_fmt(s['loss_last'])}, {s['tokens_per_s']:,.0f} tokens/s, "
             f"{s['elapsed_s']:.0f} s, restarts {restarts}")
     if s.get("tau_last"):
         line += f"\ntau {s['tau_last']['tau_mean']:.3f} at step {s['tau_last']['step']} ({Path(cfg.run_dir) / 'eval.jsonl'})"
+    if s["exit_reason"] == "nothing_trained":
+        line += ("\nnothing was trained: every optimizer step was skipped (no labels: no sample of the batches has "
+                 "two adjacent tokens that carry loss, which a DFlash anchor needs; or non-finite losses); "
+                 "check the data's loss_mask (`launch.py prepare` names such rows no_anchor)")
     line += f"\nsummary: {Path(cfg.run_dir) / 'summary.json'}"
     if s["remaining_batches"]:
         line += (f"\n{s['remaining_batches']} batches still to train (not reached, or trained after the last "

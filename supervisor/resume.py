@@ -169,12 +169,20 @@ def checkpoint_step_on_disk(run_dir: Path) -> int | None:
     return int(path.name[5:])
 
 
-def read_trained_from_checkpoint(run_dir: Path) -> set[int]:
-    """Batch ids trained up to the latest checkpoint of ``run_dir`` (empty set if there is none); reads the
-    trainer state only (memory-mapped), not the weights."""
+def read_checkpoint_batches(run_dir: Path) -> tuple[set[int], set[int]]:
+    """``(updated, skipped)``: batch ids of the latest checkpoint of ``run_dir`` whose steps updated the
+    weights, and those whose steps were skipped (no labels, non-finite loss); two empty sets if there is
+    no checkpoint. Reads the trainer state only (memory-mapped), not the weights."""
     from consumer.checkpoint import latest_checkpoint, load_trainer_state
     path = latest_checkpoint(Path(run_dir) / "checkpoints")
     if path is None:
-        return set()
+        return set(), set()
     state = load_trainer_state(path, mmap=True)
-    return {int(b) for b in list(state["trained_batch_ids"]) + list(state.get("skipped_batch_ids", []))}
+    return ({int(b) for b in state["trained_batch_ids"]}, {int(b) for b in state.get("skipped_batch_ids", [])})
+
+
+def read_trained_from_checkpoint(run_dir: Path) -> set[int]:
+    """Batch ids done up to the latest checkpoint of ``run_dir`` (trained or skipped; empty set if there is
+    none); see ``read_checkpoint_batches``."""
+    updated, skipped = read_checkpoint_batches(run_dir)
+    return updated | skipped

@@ -154,6 +154,26 @@ def open_dataset(path: str, flag: str, shape: dict):
     return ds
 
 
+def check_anchors(ds, flag: str = "--data") -> list[str]:
+    """Refuse a dataset none of whose samples can give a DFlash anchor (two adjacent loss-carrying tokens,
+    ``shared.data.has_anchor``): every step would be skipped and the run would train nothing. Raises
+    ``ConfigError`` naming ``flag`` and the first sample (with its source row when recorded); returns a
+    note when only some samples lack an anchor."""
+    bad = ds.samples_without_anchor()
+    if not len(bad):
+        return []
+    first = int(bad[0])
+    fi, row = ds.source(first)
+    where = f"sample {first}" + (f" (input file {fi}, row/line {row})" if fi >= 0 else "")
+    if len(bad) == len(ds):
+        raise ConfigError(f"{flag}: none of the {len(ds)} samples of {ds.path} has two adjacent tokens that carry "
+                          f"loss (loss_mask[p] == loss_mask[p+1] == 1), which a DFlash anchor needs: every step "
+                          f"would train nothing (e.g. {where}); prepare it again with `launch.py prepare`, which "
+                          f"names such rows (no_anchor)", key="data.data")
+    return [f"{len(bad)} of {len(ds)} samples have no two adjacent loss tokens (no DFlash anchor) and train "
+            f"nothing, e.g. {where}"]
+
+
 def resolve_run(cfg: RunConfig) -> RunPlan:
     """Validate ``cfg`` and compute the ``RunPlan``; raises ``ConfigError`` naming the flag at fault.
 
@@ -187,6 +207,7 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         train, heldout = ensure_demo(REPO_ROOT)
         cfg.data.data, cfg.data.heldout = str(train), cfg.data.heldout or str(heldout)
     ds = open_dataset(cfg.data.data, "--data", shape)
+    notes.extend(check_anchors(ds, cfg.origin("data.data")))
     if cfg.data.heldout and cfg.trainer.eval_prompts > 0:  # tau during training reads it in the consumer
         held = open_dataset(cfg.data.heldout, "--heldout", shape)
         if not (held.lengths > cfg.trainer.eval_prompt_len).any():

@@ -215,6 +215,7 @@ BAD = [
     ({"input_ids": [1, 2, 8192]}, "token_out_of_range"),
     ({"input_ids": [1, 2, 3], "loss_mask": [1, 1]}, "loss_mask_length"),
     ({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}, "loss_mask_all_zero"),
+    ({"input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 1, 0, 1, 0, 1]}, "no_anchor"),
     ("{not json", "invalid_json"),
     ({"prompt": "x"}, "unknown_format"),
 ]
@@ -303,12 +304,12 @@ def test_truncation_that_removes_all_loss_is_a_bad_row(tmp_path, capsys):
 
 
 def test_globs_and_several_files(tmp_path, capsys):
-    write_jsonl(tmp_path / "a.jsonl", [{"input_ids": [1]}, {"input_ids": [2]}])
-    write_jsonl(tmp_path / "b.jsonl", [{"input_ids": [3]}])
+    write_jsonl(tmp_path / "a.jsonl", [{"input_ids": [1, 1]}, {"input_ids": [2, 2]}])
+    write_jsonl(tmp_path / "b.jsonl", [{"input_ids": [3, 3]}])
     rc, _, _ = run_prepare(capsys, str(tmp_path / "*.jsonl"), "--output", tmp_path / "o.arrow")
     assert rc == 0
     ds = TokenDataset(tmp_path / "o.arrow")
-    assert [ds[i][0].tolist() for i in range(3)] == [[1], [2], [3]]
+    assert [ds[i][0].tolist() for i in range(3)] == [[1, 1], [2, 2], [3, 3]]
     assert [ds.source(i) for i in range(3)] == [(0, 1), (0, 2), (1, 1)]
 
 
@@ -384,3 +385,23 @@ def test_ensure_demo_builds_once(tmp_path, monkeypatch):
     second = ensure_demo(tmp_path)
     assert first == second == (tmp_path / "data/demo/train.arrow", tmp_path / "data/demo/heldout.arrow")
     assert len(calls) == 1
+
+
+def test_rows_without_an_anchor_are_named_and_a_file_of_only_them_is_an_error(tmp_path, capsys):
+    """Issue 14 item 6: no two adjacent trainable tokens (also after truncation, or a 1-token text) means no
+    DFlash anchor: prepare names the rows instead of writing samples that train nothing."""
+    rows = [{"input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 1, 0, 1, 0, 1]},
+            {"input_ids": [5, 6, 7, 8], "loss_mask": [1, 0, 1, 1]},                  # anchor at 2: kept
+            {"input_ids": [5, 6, 7, 8], "loss_mask": [1, 0, 1, 1]}]
+    src = write_jsonl(tmp_path / "a.jsonl", rows)
+    rc, _, err = run_prepare(capsys, src, "--output", tmp_path / "a.arrow", "--max-length", "3")
+    assert rc == 1 and "'no_anchor': 3" in err      # truncated to [0, 1, 0] / [1, 0, 1]: no anchor left
+    assert not (tmp_path / "a.arrow").exists()
+    rc, stdout, _ = run_prepare(capsys, src, "--output", tmp_path / "b.arrow")
+    assert rc == 0 and "no_anchor: " + str(src) + " line 1: no two adjacent tokens carry loss" in stdout
+    assert json.loads(sidecar_path(tmp_path / "b.arrow").read_text())["bad_rows"] == {"no_anchor": 1}
+    assert len(TokenDataset(tmp_path / "b.arrow")) == 2
+    only = write_jsonl(tmp_path / "only.jsonl", rows[:1] * 2)
+    rc, _, err = run_prepare(capsys, only, "--output", tmp_path / "c.arrow")
+    assert rc == 1 and "no sample was produced" in err and "'no_anchor': 2" in err
+    assert not (tmp_path / "c.arrow").exists()
