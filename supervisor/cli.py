@@ -226,14 +226,15 @@ def train_main(argv: list[str]) -> int:
             cfg.resume, cfg.run_dir = True, str(run_dir)  # the directory may have moved since
             print(f"resuming with the configuration saved in {saved} (flags other than --run-dir are ignored)",
                   file=sys.stderr)
-        from supervisor.resume import claim_run_dir, prepare_run_dir
+        from supervisor.resume import check_resume_data, claim_run_dir, prepare_run_dir
         new_default = prepare_run_dir(cfg)
         from supervisor.runplan import resolve_run
         plan = resolve_run(cfg)
+        record = check_resume_data(cfg, plan)  # a resume onto other data or another plan stops here
         if args.plan:
             print(plan.describe(cfg))
             return 0
-        lock = claim_run_dir(cfg, new_default)  # held until the run is over
+        lock = claim_run_dir(cfg, new_default, record)  # held until the run is over
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

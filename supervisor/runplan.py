@@ -44,6 +44,9 @@ class RunPlan:
     dtype_per_producer: list[str]
     plan_summary: str
     notes: list[str] = field(default_factory=list)
+    data_digest: str = ""       # TokenDataset.content_digest() of --data: what the run trains on
+    data_samples: int = 0
+    data_tokens: int = 0
 
     def describe(self, cfg: RunConfig) -> str:
         """Human-readable topology, sizes and shared memory, as printed by ``train --plan``."""
@@ -52,7 +55,7 @@ class RunPlan:
             f"run_dir: {cfg.run_dir}",
             f"target: {cfg.producer.target}  ({self.num_layers} layers, hidden {self.hidden_size})",
             f"target layers captured: {self.target_layer_ids}",
-            f"data: {cfg.data.data}",
+            f"data: {cfg.data.data}  ({self.data_samples} samples, {self.data_tokens} tokens, {self.data_digest[:19]})",
             f"producers: {n}  devices {cfg.producer.devices}  dtype {self.dtype_per_producer}",
             f"consumers: {len(cfg.trainer.devices)}  devices {cfg.trainer.devices}  "
             f"(block size {cfg.trainer.block_size}, anchors {cfg.trainer.num_anchors}, grad_accum {cfg.trainer.grad_accum})",
@@ -266,4 +269,4 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     return RunPlan(order=order, total_steps=cfg.trainer.max_steps, batches_per_epoch=per_epoch,
                    slot_bytes=cfg.ring.slot_bytes, ring_bytes=ring_bytes, target_layer_ids=list(ids),
                    hidden_size=H, num_layers=L, dtype_per_producer=dtypes, plan_summary=plan.summary(),
-                   notes=notes)
+                   notes=notes, data_digest=ds.content_digest(), data_samples=len(ds), data_tokens=ds.num_tokens)
