@@ -146,10 +146,17 @@ PLAN_FIELDS = ("data.max_tokens", "data.max_batch_size", "data.bucket_edges", "d
 def plan_digest(order) -> str:
     """``"sha256:<hex>"`` of a batch order (``BatchInfo``/``Batch`` items): every batch id with its sample ids,
     in order. Equal digests mean every batch id names the same samples."""
+    import itertools
+
     import numpy as np
+    n = len(order)
+    ids = np.fromiter((b.batch_id for b in order), dtype=np.int64, count=n)
+    sizes = np.fromiter((len(b.sample_ids) for b in order), dtype=np.int64, count=n)
+    samples = np.fromiter(itertools.chain.from_iterable(b.sample_ids for b in order), dtype=np.int64,
+                          count=int(sizes.sum()))
     h = hashlib.sha256(b"specring-plan-v1|")
-    for b in order:
-        h.update(np.asarray([b.batch_id, len(b.sample_ids), *b.sample_ids], dtype="<i8").tobytes())
+    for part in (ids, sizes, samples):
+        h.update(part.astype("<i8").tobytes())
     return "sha256:" + h.hexdigest()
 
 

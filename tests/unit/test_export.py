@@ -208,7 +208,9 @@ print(json.dumps({"class": type(draft).__name__, "module": type(draft).__module_
                   "missing": list(info["missing_keys"]), "unexpected": list(info["unexpected_keys"]),
                   "logits_equal": bool(torch.equal(logits, ref["logits"])),
                   "max_diff": float((logits - ref["logits"]).abs().max()),
-                  "lossless": spec.tolist() == greedy.tolist()}))
+                  "lossless": spec.tolist() == greedy.tolist(),
+                  "specring_modules": sorted(m for m in sys.modules
+                                             if m.split(".")[0] in ("consumer", "shared", "producers", "supervisor"))}))
 """
 
 
@@ -227,14 +229,14 @@ def test_automodel_loads_the_export_as_our_class_with_the_drafters_logits(tmp_pa
     prompt = torch.tensor(TokenDataset(make_dataset(tmp_path / "d.arrow", 1))[0][0][:24], dtype=torch.long)
     torch.save({"ids": ids, "pos": pos, "ctx": ctx, "cpos": cpos, "logits": want, "prompt": prompt},
                tmp_path / "case.pt")
-    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1",
-               PYTHONPATH="")                             # nothing of specring importable: the export alone
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1", PYTHONPATH="")
     res = subprocess.run([sys.executable, "-c", LOAD_AS_USERS_DO, str(out), str(TARGET), str(tmp_path / "case.pt")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["class"] == "DFlashDraftModel" and got["file"].endswith("modeling_dflash.py"), got
     assert got["missing"] == [] and got["unexpected"] == [], got
+    assert got["specring_modules"] == [], got           # the export's own file, nothing imported from specring
     assert got["dtype"] == f"torch.{exported}"
     assert got["logits_equal"], got
     assert got["lossless"], got
