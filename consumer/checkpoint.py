@@ -16,7 +16,10 @@ What is guaranteed:
   file and ``os.replace``. A crash at any moment leaves ``latest`` naming a complete checkpoint (or no
   ``latest`` at all). Left-over temporaries (``.step-*.tmp-*``, ``.latest.tmp-*``) are removed by the next save.
 * ``load_checkpoint`` accepts a step directory, a checkpoints directory (follows ``latest``) or a run
-  directory (follows ``checkpoints/latest``).
+  directory (follows ``checkpoints/latest``); ``resolve_checkpoint``/``load_drafter`` also accept an export
+  directory (``launch.py export``), whose drafter is then the exported one, in its exported dtype.
+* Files get the usual modes (``0666 & ~umask``, 0644 under the usual umask), whatever the writer used
+  (safetensors writes through a private temporary file, 0600).
 
 Not guaranteed: concurrent writers. Only one process (rank 0) saves.
 
@@ -53,6 +56,38 @@ def step_dir_name(step: int) -> str:
     return f"step-{int(step):06d}"
 
 
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # no /proc: read it by setting it (and put it back at once)
+    os.umask(mask)
+    return mask
+
+
+def usual_mode(path: str | Path) -> None:
+    """Give ``path`` the mode a plain ``open()`` would: ``0666 & ~umask`` for a file, ``0777 & ~umask`` for a
+    directory (0644 / 0755 under the usual umask 022)."""
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~_umask())
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file`` with the usual file mode (``usual_mode``), not the 0600 of its
+    temporary file."""
+    save_file(tensors, str(path), metadata=metadata)
+    usual_mode(path)
+
+
+def is_export(path: str | Path) -> bool:
+    """Whether ``path`` is an export directory (``model.safetensors`` + ``config.json``, no checkpoint)."""
+    p = Path(path)
+    return (p / "model.safetensors").is_file() and (p / "config.json").is_file() and not (p / WEIGHTS_FILE).is_file()
+
+
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
@@ -87,7 +122,7 @@ def save_checkpoint(checkpoints_dir: str | Path, step: int, tensors: dict[str, t
     tmp = root / f".{name}.tmp-{os.getpid()}"
     tmp.mkdir()
     cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    save_file(cpu, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "step": str(step)})
+    save_tensors(cpu, tmp / WEIGHTS_FILE, metadata={"format": "pt", "step": str(step)})
     torch.save(trainer_state, tmp / STATE_FILE)
     (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     for f in (WEIGHTS_FILE, STATE_FILE, CONFIG_FILE):
@@ -127,12 +162,13 @@ def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A step directory from a step directory, a checkpoints directory or a run directory.
+    """A step directory from a step directory, a checkpoints directory or a run directory; an export
+    directory (``is_export``) is returned as it is.
 
     Raises ``FileNotFoundError`` naming the path when none of these applies.
     """
     p = Path(path)
-    if (p / WEIGHTS_FILE).is_file():
+    if (p / WEIGHTS_FILE).is_file() or is_export(p):
         return p
     for root in (p, p / "checkpoints"):
         found = latest_checkpoint(root) if (root / LATEST_FILE).is_file() else None
@@ -169,10 +205,17 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
                  require_head: bool = True) -> DFlashDrafter:
     """Rebuild a drafter (eval mode) from a checkpoint, frozen head included.
 
+    From an export directory (``is_export``): the exported weights in the dtype they were exported in
+    (``dtype`` is ignored, so ``launch.py eval --drafter EXPORT`` measures what is served), with the frozen
+    head of the target recorded in its ``specring_export.json`` (``consumer.export.load_exported``).
+
     Raises ``ValueError`` when the checkpoint lacks ``embed_tokens.weight``/``lm_head.weight`` and
     ``require_head`` is true (export and evaluation must never run with a head that is not the target's),
     or when trainable weights are missing or unexpected.
     """
+    if is_export(resolve_checkpoint(path)):
+        from consumer.export import load_exported_as_served
+        return load_exported_as_served(resolve_checkpoint(path), device)
     tensors, _, config = load_checkpoint(path)
     dcfg = DFlashConfig.from_dict(config)
     missing_head = [k for k in (EMBED_KEY, HEAD_KEY) if k not in tensors]

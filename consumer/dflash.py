@@ -157,7 +157,7 @@ class DFlashConfig:
         raw = json.loads(path.read_text())
         cfg = _text_config(raw)
         num_layers = int(cfg["num_hidden_layers"])
-        target_layer_ids = resolve_layer_ids(num_layers, target_layer_ids, num_target_layers)
+        target_layer_ids = resolve_layer_ids(num_layers, target_layer_ids, num_target_layers, exact=False)
         if mask_token_id is None:
             mask_token_id = resolve_mask_token_id(target_dir)
         heads = int(cfg["num_attention_heads"])

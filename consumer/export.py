@@ -23,7 +23,15 @@ and vLLM ``vllm/model_executor/models/qwen3_dflash.py``. An export directory hol
   ``embed_tokens``/``lm_head``: like z-lab's released drafts, the draft borrows the target's at run time
   (the reference calls ``target.get_input_embeddings()`` and the target's head; SGLang's draft model has
   neither; vLLM shares the target's when the checkpoint has none).
-* ``specring_export.json``: provenance (checkpoint, step, target, dtype).
+* ``modeling_dflash.py`` and ``auto_map`` in ``config.json``: transformers' ``AutoModel.from_pretrained(dir,
+  trust_remote_code=True, dtype="auto")`` gives a ``DFlashDraftModel`` (as z-lab's README loads their
+  drafts), specring's own definition: ``consumer/hf_model.py`` with the drafter's building blocks from
+  ``consumer/dflash.py`` inlined (``modeling_source``), computing the same logits as ``DFlashDrafter``.
+* ``specring_export.json``: provenance (checkpoint, step, target), the exported ``dtype`` and the dtype
+  the checkpoint held (``checkpoint_dtype``, the one tau during training was measured in, with that tau);
+  ``launch.py eval --drafter EXPORT_DIR`` measures the exported weights in the exported dtype.
+
+Every file gets the usual mode (``0666 & ~umask``: 0644), the directory ``0777 & ~umask``.
 
 Because the served draft uses the *target's* embedding and head, export refuses a checkpoint whose own
 frozen copies are missing or differ from the target's, and one whose layer ids are not recorded or do not
@@ -43,9 +51,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from consumer import checkpoint as ckpt
+from consumer.hf_model import modeling_source
 from consumer.dflash import FROZEN_KEYS, EMBED_KEY, HEAD_KEY, DFlashConfig, DFlashDrafter, _rope_theta, _text_config, \
     read_target_head
 
@@ -54,7 +62,9 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 PROVENANCE_FILE = "specring_export.json"
+MODELING_FILE = "modeling_dflash.py"
 ARCHITECTURE = "DFlashDraftModel"
+AUTO_MAP = {"AutoModel": f"{MODELING_FILE[:-3]}.{ARCHITECTURE}"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -102,6 +112,7 @@ def exported_config(dcfg: DFlashConfig, target_raw: dict, dtype: str, mask_token
         dflash_config["mask_token"] = mask_token
     cfg = {
         "architectures": [ARCHITECTURE],
+        "auto_map": dict(AUTO_MAP),
         "model_type": dcfg.target_model_type,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -215,6 +226,8 @@ def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     from shared.config import DEFAULT_TARGET
 
     step_dir = ckpt.resolve_checkpoint(checkpoint)
+    if ckpt.is_export(step_dir):
+        raise ValueError(f"--drafter: {step_dir} is an export already; export from a checkpoint or run directory")
     target = Path(target_dir or target_of_checkpoint(step_dir) or DEFAULT_TARGET)
     out = Path(output_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
@@ -233,14 +246,19 @@ def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    measured = _measured(step_dir, drafter, dtype)
     try:
-        save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        ckpt.save_tensors(weights, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
+        (tmp / MODELING_FILE).write_text(modeling_source())
         (tmp / PROVENANCE_FILE).write_text(json.dumps({
             "exported_by": "specring", "checkpoint": str(step_dir.resolve()), "step_dir": step_dir.name,
-            "target": str(target.resolve()), "dtype": dtype,
+            "target": str(target.resolve()), "dtype": dtype, **measured,
             "note": "embed_tokens/lm_head are not included: the draft uses the target's (checked equal at export)",
         }, indent=2) + "\n")
+        for f in tmp.iterdir():
+            ckpt.usual_mode(f)
+        ckpt.usual_mode(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -249,6 +267,46 @@ def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     logger.info("export written path=%s checkpoint=%s target=%s dtype=%s tensors=%d", out, step_dir, target,
                 dtype, len(weights))
     return out
+
+
+def _measured(step_dir: Path, drafter: DFlashDrafter, dtype: str) -> dict[str, Any]:
+    """What was measured of this drafter, for ``specring_export.json``: the checkpoint's dtype, the last tau
+    of its run (``eval.jsonl``, measured with the checkpoint's weights), and a note when the export's dtype
+    differs (its logits then differ too; ``launch.py eval --drafter EXPORT`` measures the export)."""
+    ck = str(drafter.fc.weight.dtype).replace("torch.", "")
+    out: dict[str, Any] = {"checkpoint_dtype": ck, "tau_measured": None}
+    try:
+        step = int(step_dir.name.split("-")[1])
+        for line in (step_dir.parent.parent / "eval.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            if int(rec.get("step", -1)) == step:
+                out["tau_measured"] = {"step": step, "tau_mean": rec.get("tau_mean"), "dtype": ck}
+    except (OSError, ValueError, IndexError, TypeError):
+        pass
+    if dtype != ck:
+        out["dtype_note"] = (f"exported in {dtype}; the checkpoint (and tau during training) is {ck}: logits "
+                             f"differ slightly; `launch.py eval --drafter <this directory>` measures the "
+                             f"{dtype} export")
+    return out
+
+
+def load_exported_as_served(export_dir: str | Path, device: str | torch.device = "cpu") -> DFlashDrafter:
+    """The drafter of an export as it is served: its weights in the exported dtype (``config.json``
+    ``dtype``), the frozen head from the target in its ``specring_export.json``. Raises ``ValueError``
+    when that target is not recorded or does not exist (then use ``load_exported`` with a target)."""
+    export_dir = Path(export_dir)
+    cfg = json.loads((export_dir / CONFIG_FILE).read_text())
+    dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+    try:
+        target = Path(json.loads((export_dir / PROVENANCE_FILE).read_text())["target"])
+    except (OSError, ValueError, KeyError, TypeError):
+        target = None
+    if target is None or not (target / "config.json").is_file():
+        raise ValueError(f"{export_dir}: the target it was exported for is not recorded in {PROVENANCE_FILE} or "
+                         f"is gone ({target}); load it with consumer.export.load_exported(dir, target)")
+    logger.info("export_loaded path=%s dtype=%s target=%s (evaluated as served, in its exported dtype)",
+                export_dir, dtype, target)
+    return load_exported(export_dir, target, device, DTYPES.get(dtype, torch.float32))
 
 
 def load_exported(export_dir: str | Path, target_dir: str | Path, device: str | torch.device = "cpu",
@@ -305,5 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg = json.loads((out / CONFIG_FILE).read_text())
     print(f"exported {out}: {cfg['num_hidden_layers']} draft layers, block_size {cfg['block_size']}, "
           f"target_layer_ids {cfg['dflash_config']['target_layer_ids']}, dtype {cfg['dtype']}")
+    prov = json.loads((out / PROVENANCE_FILE).read_text())
+    if prov.get("dtype_note"):
+        print(f"note: {prov['dtype_note']}")
+    print(f"load (transformers): AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=\"auto\")")
     print(f"serve (SGLang): --speculative-algorithm DFLASH --speculative-draft-model-path {out}")
     return 0

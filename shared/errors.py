@@ -23,7 +23,17 @@ class SpecringError(Exception):
 
 
 class ConfigError(SpecringError, ValueError):
-    """Invalid configuration; the message names the field or flag."""
+    """Invalid configuration; the message names the field or flag.
+
+    ``key``: the configuration key at fault when one is (``"ring.slot_bytes"``, or a bare field name
+    before the section is known), so that a front end can name the flag or file the value came from;
+    ``detail``: the message without the key.
+    """
+
+    def __init__(self, message: str, *, key: str | None = None, detail: str | None = None):
+        super().__init__(message)
+        self.key = key
+        self.detail = message if detail is None else detail
 
 
 class MessageError(SpecringError, ValueError):

@@ -43,6 +43,8 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from shared.config import MAX_INT32, check_numbers, finite_number, num
+from shared.data import has_anchor
 from shared.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -64,12 +66,14 @@ BAD_KINDS = {
     "unknown_role": "a turn whose role is not system/user/assistant/tool (or a ShareGPT alias)",
     "no_assistant_turn": "a conversation without an assistant turn",
     "template_error": "the chat template failed to render the conversation",
-    "template_mismatch": "assistant content not found verbatim in the rendered template",
+    "template_mismatch": "an assistant turn cannot be located in the rendered template (dropped, repeated or moved)",
     "bad_input_ids": "input_ids or loss_mask is not a flat list of integers",
     "token_out_of_range": "a token id < 0 or >= the vocab size",
     "loss_mask_length": "loss_mask length differs from input_ids length",
     "loss_mask_values": "loss_mask values other than 0 and 1",
     "loss_mask_all_zero": "no token carries loss (after truncation)",
+    "no_anchor": "no two adjacent tokens carry loss (after truncation): a DFlash anchor needs "
+                 "loss_mask[p] == loss_mask[p+1] == 1, so the sample would train nothing",
 }
 ROLE_ALIASES = {"system": "system", "user": "user", "human": "user", "assistant": "assistant",
                 "gpt": "assistant", "model": "assistant", "tool": "tool", "function": "tool",
@@ -138,16 +142,14 @@ def render_chat(tok, turns: list[dict[str, str]], chat_template: str | None = No
     """Tokens of a conversation rendered with the chat template, and its assistant loss mask.
 
     Returns ``(input_ids [T] int32, loss_mask [T] uint8)``. ``loss_mask`` is 1 on every token that
-    overlaps the characters of an assistant turn's content, and on the first token after that content
-    when it is a special token (the end-of-turn token, ``<|im_end|>`` for ChatML: the drafter must learn
-    to end a turn); 0 elsewhere (role headers, the newline after the end-of-turn token, other turns).
-    Empty assistant turns carry no loss.
-
-    Works for any template, with or without ``{% generation %}`` markers: the text is rendered once and
-    tokenized with character offsets; each assistant content is located verbatim in the text, searching
-    from the end of the rendering of the turns before it with the generation prompt when that rendering is
-    a prefix of the whole text (so a user turn that quotes the answer cannot be matched), else from the end
-    of the previous assistant content. Raises ``BadRow`` (``no_assistant_turn``, ``template_error``,
+    overlaps the characters the template rendered from an assistant turn's content, and on the first token
+    after them when it is a special token (the end-of-turn token, ``<|im_end|>`` for ChatML: the drafter must
+    learn to end a turn); 0 elsewhere (role headers, text the template adds, the newline after the
+    end-of-turn token, other turns). An empty assistant turn carries loss on its end-of-turn token only
+    (as transformers' ``{% generation %}`` mask has it), or none when the template renders an empty turn
+    differently from a non-empty one. Where the assistant text is found is decided by ``assistant_spans``, which works for any turn order, system and tool turns, several
+    assistant turns and templates that add text or transform the content (``| trim``), with or without
+    ``{% generation %}`` markers. Raises ``BadRow`` (``no_assistant_turn``, ``template_error``,
     ``template_mismatch``).
     """
     if not any(t["role"] == "assistant" for t in turns):
@@ -156,23 +158,12 @@ def render_chat(tok, turns: list[dict[str, str]], chat_template: str | None = No
         text = tok.apply_chat_template(turns, tokenize=False, chat_template=chat_template)
     except Exception as e:  # jinja errors, "roles must alternate", no template at all
         raise BadRow("template_error", f"{type(e).__name__}: {e}") from None
-    spans, cursor = [], 0
-    for i, t in enumerate(turns):
-        if t["role"] != "assistant" or not t["content"]:
-            continue
-        start = cursor
-        try:
-            prefix = tok.apply_chat_template(turns[:i], tokenize=False, add_generation_prompt=True,
-                                             chat_template=chat_template) if i else ""
-            if text.startswith(prefix):
-                start = max(start, len(prefix))
-        except Exception:
-            pass
-        pos = text.find(t["content"], start)
-        if pos < 0:
-            raise BadRow("template_mismatch", f"turn {i}: assistant content not found in the rendered text")
-        spans.append((pos, pos + len(t["content"])))
-        cursor = pos + len(t["content"])
+    try:
+        spans = assistant_spans(tok, turns, text, chat_template, include_empty=True)
+    except BadRow:
+        if all(t["content"] for t in turns if t["role"] == "assistant"):
+            raise
+        spans = assistant_spans(tok, turns, text, chat_template)  # empty turns rendered apart: no loss
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
     offs = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
@@ -186,14 +177,95 @@ def render_chat(tok, turns: list[dict[str, str]], chat_template: str | None = No
     return ids.astype(np.int32), mask
 
 
+def assistant_spans(tok, turns: list[dict[str, str]], text: str, chat_template: str | None = None,
+                    include_empty: bool = False) -> list[tuple[int, int]]:
+    """Character spans ``[(start, end)]`` of ``text`` (the conversation as the template renders it) that
+    the template rendered from the assistant contents, in turn order: the non-empty ones, and with
+    ``include_empty`` the empty ones too (as empty spans ``(p, p)`` where they sit). A content that renders
+    as nothing gives an empty span, or none without ``include_empty``.
+
+    The conversation is rendered a second time with each non-empty assistant content replaced by a
+    marker that no template changes (private-use characters and digits: no letters to upper-case, no
+    spaces to trim). The text between the markers is what the template itself writes (headers, system
+    prompts, separators); those pieces are matched in order against ``text``, and what lies between two
+    of them is the rendering of one assistant content, wherever it is and whatever else in the
+    conversation repeats it (a user turn quoting the answer, content equal to a role name or to part of a
+    header). So a text search never lands on template text.
+
+    Raises ``BadRow("template_error")`` when the template fails on the marked conversation and
+    ``BadRow("template_mismatch")`` naming the turn when the template drops, repeats or reorders an
+    assistant content, or renders the text around it differently depending on the content itself (e.g.
+    a reasoning block moved out of the content).
+    """
+    which = [i for i, t in enumerate(turns) if t["role"] == "assistant" and (t["content"] or include_empty)]
+    if not which:
+        return []
+    nonce = 0
+    while True:
+        marks = {i: f"\ue000{nonce}{n:04d}\ue001" for n, i in enumerate(which)}
+        if not any(m in text or any(m in t["content"] for t in turns) for m in marks.values()):
+            break
+        nonce += 1
+    probe = [dict(t, content=marks[i]) if i in marks else t for i, t in enumerate(turns)]
+    try:
+        marked = tok.apply_chat_template(probe, tokenize=False, chat_template=chat_template)
+    except Exception as e:
+        raise BadRow("template_error", f"{type(e).__name__}: {e}") from None
+    pieces, pos = [], 0
+    for i in which:
+        at = marked.find(marks[i], pos)
+        if at < 0 or marked.count(marks[i]) != 1:
+            raise BadRow("template_mismatch", f"turn {i}: the chat template does not render this assistant "
+                                              f"content exactly once, in order")
+        pieces.append(marked[pos:at])
+        pos = at + len(marks[i])
+    pieces.append(marked[pos:])
+    if not text.startswith(pieces[0]):
+        raise BadRow("template_mismatch", f"turn {which[0]}: the template renders the turns before this "
+                                          f"assistant turn differently depending on its content")
+    spans, cur = [], len(pieces[0])
+    for k, i in enumerate(which):
+        after, content, last = pieces[k + 1], turns[i]["content"], k + 1 == len(which)
+        verbatim = text.startswith(content, cur) and (
+            len(text) - len(after) == cur + len(content) and text.endswith(after) if last
+            else text.startswith(after, cur + len(content)))
+        if verbatim:
+            end = cur + len(content)
+        elif last:
+            end = len(text) - len(after) if text.endswith(after) else -1
+        else:
+            end = text.find(after, cur)
+        if end < cur:
+            raise BadRow("template_mismatch", f"turn {i}: the template renders the text after this assistant "
+                                              f"turn differently depending on its content")
+        if end > cur or include_empty:
+            spans.append((cur, end))
+        cur = end + len(after)
+    return spans
+
+
+@dataclass(kw_only=True)
+class PrepareOptions:
+    """The numeric options of ``launch.py prepare`` (``None``: the command's default), checked like every
+    config field (``shared.config.check_numbers``: finite, in range); ``ConfigError.key`` names the field."""
+    max_length: int | None = num(None, ge=1, le=MAX_INT32)   # tokens per sample
+    workers: int | None = num(None, ge=1, le=1024)           # tokenizer processes
+
+    def __post_init__(self):
+        check_numbers(self)
+
+
 @dataclass
 class EncoderConfig:
     """What a worker needs to turn rows into samples (picklable)."""
     tokenizer_dir: str
-    max_length: int
+    max_length: int = num(ge=1, le=MAX_INT32)
     overlong: str = "truncate"        # or "drop"
-    vocab_size: int = 0               # 0 = from the tokenizer directory
+    vocab_size: int = num(0, ge=0, le=MAX_INT32)   # 0 = from the tokenizer directory
     chat_template: str | None = None
+
+    def __post_init__(self):
+        check_numbers(self)
 
 
 @dataclass
@@ -292,6 +364,9 @@ class Encoder:
                     ids, mask = ids[:self.cfg.max_length], mask[:self.cfg.max_length]
                 if not mask.any():
                     raise BadRow("loss_mask_all_zero")
+                if not has_anchor(mask):
+                    raise BadRow("no_anchor", f"no two adjacent tokens carry loss (loss_mask "
+                                              f"{_brief(mask)}): no DFlash anchor, nothing to train")
             except BadRow as e:
                 counts[e.kind] += 1
                 if sum(1 for b in bad if b[0] == e.kind) < EXAMPLES_PER_KIND:
@@ -319,6 +394,11 @@ class Encoder:
                 rows.append(j)
         masks = [np.ones(len(x), np.uint8) for x in out_ids]
         return _result(out_ids, masks, lens, files, rows, len(task.payload), collections.Counter(), [])
+
+
+def _brief(values: np.ndarray, n: int = 12) -> str:
+    head = values[:n].tolist()
+    return f"{head}" if len(values) <= n else f"{head[:-1]}... ({len(values)} tokens)".replace("]...", ", ...]")
 
 
 def _int_array(raw: Any, name: str) -> np.ndarray:
@@ -735,12 +815,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", action="append", default=[], help="another input (repeatable)")
     p.add_argument("--tokenizer", default=str(DEFAULT_TOKENIZER), help="local Hugging Face tokenizer directory")
     p.add_argument("--output", help="Arrow file to write (its sidecar gets the suffix .json)")
-    p.add_argument("--max-length", type=int, default=None,
+    p.add_argument("--max-length", type=finite_number(int), default=None,
                    help=f"tokens per sample (default 2048; {DEMO_MAX_LENGTH} for --demo)")
     p.add_argument("--overlong", choices=("truncate", "drop"), default="truncate",
                    help="what to do with samples longer than --max-length")
     p.add_argument("--strict", action="store_true", help="stop with an error at the first bad row")
-    p.add_argument("--workers", type=int, default=None,
+    p.add_argument("--workers", type=finite_number(int), default=None,
                    help="tokenizer processes, 1 = in this process (default: min(8, CPUs); 1 for --demo, whose "
                         "whole-file batches the Rust tokenizer already spreads over threads)")
     p.add_argument("--chat-template", help="a Jinja chat template file to use instead of the tokenizer's")
@@ -754,10 +834,10 @@ def main(argv: list[str]) -> int:
     """``launch.py prepare``: returns 0 on success, 2 for a bad flag or input, 1 for ``--strict`` or no samples."""
     args = build_parser().parse_args(argv)
     try:
-        if args.max_length is not None and args.max_length < 1:
-            raise ConfigError(f"--max-length must be >= 1, got {args.max_length}")
-        if args.workers is not None and args.workers < 1:
-            raise ConfigError(f"--workers must be >= 1, got {args.workers}")
+        try:
+            PrepareOptions(max_length=args.max_length, workers=args.workers)
+        except ConfigError as e:
+            raise ConfigError(f"--{e.key.replace('_', '-')}: {e.detail}", key=e.key, detail=e.detail) from None
         t0 = time.perf_counter()
         if args.demo:
             train, heldout = build_demo(Path(args.demo_dir), tokenizer=Path(args.tokenizer),

@@ -16,13 +16,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared.config import REPO_ROOT, RunConfig
+from shared.config import REPO_ROOT, RunConfig, finite_number
 from shared.errors import ConfigError, PeerTimeout
 from supervisor.resume import latest_link
 
 log = logging.getLogger(__name__)
 
-# flag → (section, field, parser)
+_INT, _FLOAT = finite_number(int), finite_number(float)
+
+
 def _ints(s: str) -> list[int]:
     try:
         return [int(x) for x in s.split(",") if x.strip()]
@@ -37,42 +39,44 @@ def _devices(s: str) -> list[str]:
     return out
 
 
+# flag -> (section, field, parser, help); numbers go through one parser (finite_number), their ranges are
+# declared once, on the config field (shared.config.check_numbers)
 FLAGS = {
     "target": ("producer", "target", str, "target checkpoint directory (Hugging Face format)"),
     "producers": ("producer", "devices", _devices, "one producer per device, e.g. cuda:0,cuda:1 or cpu,cpu"),
     "dtype": ("producer", "dtype", str, "target dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float16, float32"),
     "target_layers": ("producer", "target_layer_ids", _ints, "captured target layer ids, e.g. 1,9,17,25,33"),
-    "num_target_layers": ("producer", "num_target_layers", int, "number of captured layers when --target-layers is not given"),
+    "num_target_layers": ("producer", "num_target_layers", _INT, "number of captured layers when --target-layers is not given (default: 5, spread over 1..L-3; fewer on a target of under 8 layers)"),
     "consumers": ("trainer", "devices", _devices, "one drafter trainer (data-parallel rank) per device"),
-    "block_size": ("trainer", "block_size", int, "DFlash block size B"),
-    "num_anchors": ("trainer", "num_anchors", int, "anchors per sequence"),
-    "num_draft_layers": ("trainer", "num_draft_layers", int, "drafter layers (default: number of captured layers; 2 on CPU)"),
-    "label_source": ("trainer", "label_source", str, "what the drafter learns: data (the corpus's next tokens) or "
-                     "target (the target's own greedy next tokens, computed by the producers)"),
-    "distill_topk": ("trainer", "distill_topk", int, "with --label-source target: also send the target's top-K "
+    "block_size": ("trainer", "block_size", _INT, "DFlash block size B"),
+    "num_anchors": ("trainer", "num_anchors", _INT, "anchors per sequence"),
+    "num_draft_layers": ("trainer", "num_draft_layers", _INT, "drafter layers (default: number of captured layers; 2 on CPU)"),
+    "label_source": ("trainer", "label_source", str, "what the drafter learns: target (the target's own greedy next "
+                     "tokens, computed by the producers) or data (the corpus's next tokens)"),
+    "distill_topk": ("trainer", "distill_topk", _INT, "with --label-source target: also send the target's top-K "
                      "log-probabilities and add the KL divergence to them to the loss (0: off)"),
-    "lr": ("trainer", "lr", float, "peak learning rate"),
-    "warmup_steps": ("trainer", "warmup_steps", int, "learning-rate warm-up steps"),
-    "grad_accum": ("trainer", "grad_accum", int, "micro-batches per optimizer step"),
-    "max_steps": ("trainer", "max_steps", int, "optimizer steps (ignored with --epochs)"),
-    "epochs": ("trainer", "epochs", int, "train this many epochs of the data"),
-    "checkpoint_every": ("trainer", "checkpoint_every", int, "optimizer steps between checkpoints"),
-    "eval_every": ("trainer", "eval_every", int, "steps between tau evaluations (0: at every checkpoint)"),
-    "eval_prompts": ("trainer", "eval_prompts", int, "held-out prompts per tau evaluation during training (0: none)"),
-    "eval_prompt_len": ("trainer", "eval_prompt_len", int, "prompt tokens of each tau evaluation during training"),
-    "eval_max_new_tokens": ("trainer", "eval_max_new_tokens", int, "tokens generated per prompt in those evaluations"),
-    "seed": ("trainer", "seed", int, "seed of the drafter and anchor sampling (and of the batch plan)"),
+    "lr": ("trainer", "lr", _FLOAT, "peak learning rate"),
+    "warmup_steps": ("trainer", "warmup_steps", _INT, "learning-rate warm-up steps"),
+    "grad_accum": ("trainer", "grad_accum", _INT, "micro-batches per optimizer step"),
+    "max_steps": ("trainer", "max_steps", _INT, "optimizer steps (ignored with --epochs)"),
+    "epochs": ("trainer", "epochs", _INT, "train this many epochs of the data"),
+    "checkpoint_every": ("trainer", "checkpoint_every", _INT, "optimizer steps between checkpoints"),
+    "eval_every": ("trainer", "eval_every", _INT, "steps between tau evaluations (0: at every checkpoint)"),
+    "eval_prompts": ("trainer", "eval_prompts", _INT, "held-out prompts per tau evaluation during training (0: none)"),
+    "eval_prompt_len": ("trainer", "eval_prompt_len", _INT, "prompt tokens of each tau evaluation during training"),
+    "eval_max_new_tokens": ("trainer", "eval_max_new_tokens", _INT, "tokens generated per prompt in those evaluations"),
+    "seed": ("trainer", "seed", _INT, "seed of the drafter and anchor sampling (and of the batch plan)"),
     "data": ("data", "data", str, "Arrow file from `launch.py prepare` (default: the demo corpus)"),
     "heldout": ("data", "heldout", str, "held-out Arrow file for tau evaluation"),
-    "max_tokens": ("data", "max_tokens", int, "padded tokens per batch"),
-    "max_batch_size": ("data", "max_batch_size", int, "sequences per batch"),
-    "num_slots": ("ring", "num_slots", int, "slots per producer ring"),
-    "slot_mb": ("ring", "slot_bytes", lambda s: int(float(s) * 2**20), "slot size in MiB (default: sized from the batch plan)"),
-    "hang_timeout_s": ("monitor", "hang_timeout_s", float, "kill a child that sends no heartbeat and makes no progress this long"),
-    "batch_timeout_s": ("monitor", "batch_timeout_s", float, "kill a child whose main thread is on one batch (forward, "
+    "max_tokens": ("data", "max_tokens", _INT, "padded tokens per batch"),
+    "max_batch_size": ("data", "max_batch_size", _INT, "sequences per batch"),
+    "num_slots": ("ring", "num_slots", _INT, "slots per producer ring"),
+    "slot_mb": ("ring", "slot_bytes", finite_number(int, scale=2**20), "slot size in MiB (default: sized from the batch plan)"),
+    "hang_timeout_s": ("monitor", "hang_timeout_s", _FLOAT, "kill a child that sends no heartbeat and makes no progress this long"),
+    "batch_timeout_s": ("monitor", "batch_timeout_s", _FLOAT, "kill a child whose main thread is on one batch (forward, "
                         "training step, checkpoint) this long while its heartbeat goes on (a deadlock)"),
-    "heartbeat_interval_s": ("monitor", "heartbeat_interval_s", float, "seconds between heartbeats"),
-    "max_restarts": ("monitor", "max_restarts", int, "restarts of one producer allowed per window"),
+    "heartbeat_interval_s": ("monitor", "heartbeat_interval_s", _FLOAT, "seconds between heartbeats"),
+    "max_restarts": ("monitor", "max_restarts", _INT, "restarts of one producer allowed per window"),
 }
 
 
@@ -147,11 +151,15 @@ def _load_file(path: str) -> dict:
 
 
 def config_from_args(args: argparse.Namespace) -> RunConfig:
-    """RunConfig from defaults, then ``--config FILE``, then explicit flags; raises ``ConfigError``."""
+    """RunConfig from defaults, then ``--config FILE``, then explicit flags; raises ``ConfigError`` naming
+    the flag, or the file and key, that a bad value came from (``RunConfig.sources`` keeps that mapping for
+    the checks that come later, ``supervisor.runplan``)."""
     base = RunConfig().to_dict()
     prod, cons = default_devices()
     base["producer"]["devices"], base["trainer"]["devices"] = prod, cons
     explicit: set[tuple[str, str]] = set()
+    sources = {f"{section}.{field_name}": "--" + flag.replace("_", "-")
+               for flag, (section, field_name, _, _) in FLAGS.items()}
     if args.config:
         for key, value in _load_file(args.config).items():
             if isinstance(base.get(key), dict):
@@ -159,13 +167,16 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
                     raise ConfigError(f"--config: section {key!r} must be a mapping, got {type(value).__name__}")
                 base[key].update(value)
                 explicit.update((key, k) for k in value)
+                sources.update({f"{key}.{k}": f"--config {args.config}: {key}.{k}" for k in value})
             else:
                 base[key] = value
+                sources[key] = f"--config {args.config}: {key}"
     for flag, (section, field_name, _, _) in FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
             base[section][field_name] = value
             explicit.add((section, field_name))
+            sources[f"{section}.{field_name}"] = "--" + flag.replace("_", "-")
     devices = [base["producer"]["devices"], base["trainer"]["devices"]]
     if not all(isinstance(d, list) and all(isinstance(x, str) for x in d) for d in devices):
         raise ConfigError(f"--config: producer.devices and trainer.devices must be lists of device names, "
@@ -185,10 +196,17 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     base["resume"] = bool(args.resume)
     if base["data"].get("seed") in (None, 0) and args.seed is not None:
         base["data"]["seed"] = args.seed
+        sources["data.seed"] = "--seed"
     try:
-        return RunConfig.from_dict(base)
-    except (TypeError, ConfigError) as e:
+        cfg = RunConfig.from_dict(base)
+    except ConfigError as e:
+        if e.key:
+            raise ConfigError(f"{sources.get(e.key, e.key)}: {e.detail}", key=e.key, detail=e.detail) from None
         raise ConfigError(f"--config/flags: {e}") from None
+    except TypeError as e:
+        raise ConfigError(f"--config/flags: {e}") from None
+    cfg.sources = sources
+    return cfg
 
 
 def _setup_logging(run_dir: str | None = None) -> None:
@@ -216,21 +234,23 @@ def train_main(argv: list[str]) -> int:
             cfg.resume, cfg.run_dir = True, str(run_dir)  # the directory may have moved since
             print(f"resuming with the configuration saved in {saved} (flags other than --run-dir are ignored)",
                   file=sys.stderr)
-        from supervisor.resume import claim_run_dir, prepare_run_dir
+        from supervisor.resume import check_resume_data, claim_run_dir, prepare_run_dir
         new_default = prepare_run_dir(cfg)
         from supervisor.runplan import resolve_run
         plan = resolve_run(cfg)
+        record = check_resume_data(cfg, plan)  # a resume onto other data or another plan stops here
         if args.plan:
             print(plan.describe(cfg))
             return 0
-        lock = claim_run_dir(cfg, new_default)  # held until the run is over
+        lock = claim_run_dir(cfg, new_default, record)  # held until the run is over
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     trained: set[int] = set()
     if cfg.resume:
-        from supervisor.resume import read_trained_from_checkpoint
-        trained = read_trained_from_checkpoint(Path(cfg.run_dir))
+        from supervisor.resume import read_checkpoint_batches
+        updated, skipped = read_checkpoint_batches(Path(cfg.run_dir))
+        trained = updated | skipped
         if all(b.batch_id in trained for b in plan.order):
             print(f"nothing to resume: all {len(plan.order)} planned batches of {cfg.run_dir} are in its latest "
                   f"checkpoint (see its summary.json)", file=sys.stderr)
@@ -239,7 +259,7 @@ def train_main(argv: list[str]) -> int:
     _setup_logging(cfg.run_dir)
     from supervisor.supervisor import Supervisor
     from tqdm.contrib.logging import logging_redirect_tqdm
-    sup = Supervisor(cfg, plan, trained=trained)
+    sup = Supervisor(cfg, plan, trained=trained, updated_before=len(updated) if cfg.resume else 0)
     try:
         with logging_redirect_tqdm():
             outcome = sup.run()
@@ -248,11 +268,16 @@ def train_main(argv: list[str]) -> int:
     s = sup.summary
     restarts = " ".join(f"producer{k}={v}" for k, v in s["restarts"].items())
     line = (f"\nrun {s['exit_reason']}: {s['trained_batches']}/{s['planned_batches']} batches trained "
-            f"(duplicates {s['duplicate_batches']}, lost {s['lost_batches']}, bad {s['bad_batches']}), "
+            f"(duplicates {s['duplicate_batches']}, lost {s['lost_batches']}, bad {s['bad_batches']}, "
+            f"skipped {s['skipped_batches']}), "
             f"loss {_fmt(s['loss_first'])} -> {_fmt(s['loss_last'])}, {s['tokens_per_s']:,.0f} tokens/s, "
             f"{s['elapsed_s']:.0f} s, restarts {restarts}")
     if s.get("tau_last"):
         line += f"\ntau {s['tau_last']['tau_mean']:.3f} at step {s['tau_last']['step']} ({Path(cfg.run_dir) / 'eval.jsonl'})"
+    if s["exit_reason"] == "nothing_trained":
+        line += ("\nnothing was trained: every optimizer step was skipped (no labels: no sample of the batches has "
+                 "two adjacent tokens that carry loss, which a DFlash anchor needs; or non-finite losses); "
+                 "check the data's loss_mask (`launch.py prepare` names such rows no_anchor)")
     line += f"\nsummary: {Path(cfg.run_dir) / 'summary.json'}"
     if s["remaining_batches"]:
         line += (f"\n{s['remaining_batches']} batches still to train (not reached, or trained after the last "
@@ -329,9 +354,11 @@ def restart_main(argv: list[str]) -> int:
                                  "training goes on: it finishes its current batch, exits, and comes back as a new "
                                  "generation; its published slots are still consumed.")
     ap.add_argument("role", choices=["producer"], help="only producers can be restarted")
-    ap.add_argument("index", type=int, help="producer index (the number after producer- in `launch.py status`)")
+    ap.add_argument("index", type=_INT, help="producer index (the number after producer- in `launch.py status`)")
     ap.add_argument("--run-dir", default=str(latest_link()), help="the run (default: runs/latest)")
     args = ap.parse_args(argv)
+    if not 0 <= args.index < 2**16:
+        ap.error(f"argument index: no producer {args.index} (indices start at 0)")
     from shared import channel, messages as m
     try:
         reply = channel.request(_address(args.run_dir), m.Command(action="restart", role=args.role, index=args.index))

@@ -93,6 +93,8 @@ class Coordinator:
         self.delivered = 0
         self.unreleased = [0] * num_consumers
         self.trained: set[int] = set()
+        self.skipped: set[int] = set()                       # trained by a step that updated nothing
+        self.updated_steps = 0                               # Trained reports of steps that updated the weights
         self.trained_counts: Counter = Counter()
         self.bad: dict[int, str] = {}
         self.rejected = Counter()                            # reason → count
@@ -251,7 +253,8 @@ class Coordinator:
         return True
 
     def on_trained(self, msg: m.Trained) -> None:
-        """A consumer took an optimizer step covering ``msg.batch_ids``."""
+        """A consumer took an optimizer step covering ``msg.batch_ids`` (``msg.skipped``: a step that changed
+        no weight, for want of labels or for a non-finite loss; its batches are done all the same)."""
         for b in msg.batch_ids:
             if b not in self.delivered_ids:  # never delivered: a forged or confused report changes nothing
                 self.rejected["undelivered_batch"] += 1
@@ -259,7 +262,12 @@ class Coordinator:
                 continue
             self.trained_counts[b] += 1
             self.trained.add(b)
+            if msg.skipped:
+                self.skipped.add(b)
+            else:
+                self.skipped.discard(b)
         if not msg.skipped:
+            self.updated_steps += 1
             if self.loss_first is None:
                 self.loss_first = msg.loss
             self.loss_last = msg.loss

@@ -10,16 +10,22 @@
 * ``--resume``: the trained batch ids come from the latest checkpoint (``consumer.checkpoint``); the
   trainer drops the ``metrics.jsonl`` records of steps after that checkpoint (their weights were lost),
   so the final ``metrics.jsonl`` lists every batch exactly once.
+* A run knows its data: ``RUN_DIR/data.json`` (``data_record``), written when the run starts without a
+  checkpoint, holds the content digest of ``--data``, the config fields that shape the batch plan and a
+  digest of the plan itself. ``--resume`` onto other data or another plan is refused before anything
+  starts (``check_resume_data``): a checkpoint's batch ids name batches of *that* plan over *that* data.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
 import secrets
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -102,14 +108,16 @@ def prepare_run_dir(cfg: RunConfig) -> bool:
     return new_default
 
 
-def claim_run_dir(cfg: RunConfig, new_default: bool):
+def claim_run_dir(cfg: RunConfig, new_default: bool, record: dict | None = None):
     """Take ``cfg.run_dir`` for this launcher, once the run has passed every start-up check.
 
     Creates the directory, holds an exclusive ``flock`` on ``RUN_DIR/.lock`` (returned: keep it open for the
     life of the run; the kernel drops it if the launcher dies), removes half-written checkpoints, and, when
     no checkpoint was ever saved there, the records of an earlier start (``metrics.jsonl``, ``eval.jsonl``,
     ``summary.json``, ``tensorboard/``: the weights they describe are gone). Moves ``runs/latest`` to a new
-    default run. Raises ``ConfigError`` when another launcher holds the directory."""
+    default run. Writes ``record`` (``data_record``) as ``RUN_DIR/data.json`` when the run starts without
+    a checkpoint, or when a resumed run has none yet. Raises ``ConfigError`` when another launcher holds the
+    directory."""
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     lock = open(run_dir / ".lock", "a")
@@ -135,9 +143,83 @@ def claim_run_dir(cfg: RunConfig, new_default: bool):
         for name in ("metrics.jsonl", "eval.jsonl", "summary.json"):
             (run_dir / name).unlink(missing_ok=True)
         shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+        (run_dir / DATA_RECORD).unlink(missing_ok=True)
+    if record is not None and not (run_dir / DATA_RECORD).exists():
+        tmp = run_dir / f".{DATA_RECORD}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        os.replace(tmp, run_dir / DATA_RECORD)
     if new_default:
         point_latest(cfg.run_dir)
     return lock
+
+
+DATA_RECORD = "data.json"
+# Config fields that shape the batch order (with the data and the number of consumers): see runplan.
+PLAN_FIELDS = ("data.max_tokens", "data.max_batch_size", "data.bucket_edges", "data.num_buckets", "data.seed",
+               "trainer.epochs", "trainer.max_steps", "trainer.grad_accum")
+
+
+def plan_digest(order) -> str:
+    """``"sha256:<hex>"`` of a batch order (``BatchInfo``/``Batch`` items): every batch id with its sample ids,
+    in order. Equal digests mean every batch id names the same samples."""
+    import itertools
+
+    import numpy as np
+    n = len(order)
+    ids = np.fromiter((b.batch_id for b in order), dtype=np.int64, count=n)
+    sizes = np.fromiter((len(b.sample_ids) for b in order), dtype=np.int64, count=n)
+    samples = np.fromiter(itertools.chain.from_iterable(b.sample_ids for b in order), dtype=np.int64,
+                          count=int(sizes.sum()))
+    h = hashlib.sha256(b"specring-plan-v1|")
+    for part in (ids, sizes, samples):
+        h.update(part.astype("<i8").tobytes())
+    return "sha256:" + h.hexdigest()
+
+
+def data_record(cfg: RunConfig, plan) -> dict:
+    """What a run trains on, as stored in ``RUN_DIR/data.json``: the data file and its content digest
+    (``TokenDataset.content_digest``), samples, tokens, the plan-shaping config fields (``PLAN_FIELDS`` and
+    the number of consumers) and the digest of the resolved batch order (``plan_digest``)."""
+    fields = {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1]) for key in PLAN_FIELDS}
+    fields["trainer.consumers"] = len(cfg.trainer.devices)
+    return {"data": str(Path(cfg.data.data).resolve()), "content_digest": plan.data_digest,
+            "num_samples": plan.data_samples, "num_tokens": plan.data_tokens, "plan_fields": fields,
+            "planned_batches": len(plan.order), "plan_digest": plan_digest(plan.order)}
+
+
+def check_resume_data(cfg: RunConfig, plan) -> dict:
+    """On ``--resume`` of a run with a checkpoint, compare the data and plan of ``plan`` with the run's
+    ``data.json``; returns the current ``data_record``. Raises ``ConfigError`` naming ``--resume``, the data
+    file and what changed (content, samples and tokens; plan fields; the plan itself) when they differ:
+    the checkpoint's batch ids would count as trained against other samples. A run started before
+    ``data.json`` existed cannot be checked: a warning is printed (and ``claim_run_dir`` records it)."""
+    record = data_record(cfg, plan)
+    run_dir = Path(cfg.run_dir)
+    if not cfg.resume or checkpoint_step_on_disk(run_dir) is None:
+        return record
+    path = run_dir / DATA_RECORD
+    try:
+        old = json.loads(path.read_text())
+    except FileNotFoundError:
+        print(f"warning: {run_dir} has no {DATA_RECORD} (started by an older specring): cannot check that "
+              f"{cfg.data.data} still holds the data it trained on; recording it now", file=sys.stderr)
+        return record
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume: {path} cannot be read ({e}); it records the data the run trained on") from None
+    advice = ("its checkpoint's batch ids would count as trained against other samples. Restore the data the run "
+              "was started with, or train a new run on the new data (another --run-dir)")
+    if old.get("content_digest") != record["content_digest"]:
+        raise ConfigError(
+            f"--resume: the data of {run_dir} changed since the run started: {cfg.data.data} now holds "
+            f"{record['num_samples']} samples, {record['num_tokens']} tokens ({record['content_digest'][:19]}...), "
+            f"the run started on {old.get('num_samples')} samples, {old.get('num_tokens')} tokens "
+            f"({str(old.get('content_digest'))[:19]}...) of {old.get('data')}; {advice}")
+    changed = [f"{k} {old['plan_fields'].get(k)!r} -> {v!r}" for k, v in record["plan_fields"].items()
+               if old.get("plan_fields", {}).get(k) != v]
+    if changed or old.get("plan_digest") != record["plan_digest"]:
+        why = ", ".join(changed) if changed else "same data and settings, another batch order (another specring version?)"
+        raise ConfigError(f"--resume: the batch plan of {run_dir} changed since the run started ({why}); {advice}")
+    return record
 
 
 def point_latest(run_dir: str) -> None:
@@ -185,12 +267,20 @@ def checkpoint_step_on_disk(run_dir: Path) -> int | None:
     return int(path.name[5:])
 
 
-def read_trained_from_checkpoint(run_dir: Path) -> set[int]:
-    """Batch ids trained up to the latest checkpoint of ``run_dir`` (empty set if there is none); reads the
-    trainer state only (memory-mapped), not the weights."""
+def read_checkpoint_batches(run_dir: Path) -> tuple[set[int], set[int]]:
+    """``(updated, skipped)``: batch ids of the latest checkpoint of ``run_dir`` whose steps updated the
+    weights, and those whose steps were skipped (no labels, non-finite loss); two empty sets if there is
+    no checkpoint. Reads the trainer state only (memory-mapped), not the weights."""
     from consumer.checkpoint import latest_checkpoint, load_trainer_state
     path = latest_checkpoint(Path(run_dir) / "checkpoints")
     if path is None:
-        return set()
+        return set(), set()
     state = load_trainer_state(path, mmap=True)
-    return {int(b) for b in list(state["trained_batch_ids"]) + list(state.get("skipped_batch_ids", []))}
+    return ({int(b) for b in state["trained_batch_ids"]}, {int(b) for b in state.get("skipped_batch_ids", [])})
+
+
+def read_trained_from_checkpoint(run_dir: Path) -> set[int]:
+    """Batch ids done up to the latest checkpoint of ``run_dir`` (trained or skipped; empty set if there is
+    none); see ``read_checkpoint_batches``."""
+    updated, skipped = read_checkpoint_batches(run_dir)
+    return updated | skipped

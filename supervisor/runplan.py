@@ -27,6 +27,7 @@ from supervisor.coordinator import BatchInfo
 log = logging.getLogger(__name__)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+MAX_PLANNED_BATCHES = 10**7   # batches of one run's order (each a BatchInfo in the coordinator's ledger)
 
 
 @dataclass
@@ -43,6 +44,9 @@ class RunPlan:
     dtype_per_producer: list[str]
     plan_summary: str
     notes: list[str] = field(default_factory=list)
+    data_digest: str = ""       # TokenDataset.content_digest() of --data: what the run trains on
+    data_samples: int = 0
+    data_tokens: int = 0
 
     def describe(self, cfg: RunConfig) -> str:
         """Human-readable topology, sizes and shared memory, as printed by ``train --plan``."""
@@ -51,7 +55,7 @@ class RunPlan:
             f"run_dir: {cfg.run_dir}",
             f"target: {cfg.producer.target}  ({self.num_layers} layers, hidden {self.hidden_size})",
             f"target layers captured: {self.target_layer_ids}",
-            f"data: {cfg.data.data}",
+            f"data: {cfg.data.data}  ({self.data_samples} samples, {self.data_tokens} tokens, {self.data_digest[:19]})",
             f"producers: {n}  devices {cfg.producer.devices}  dtype {self.dtype_per_producer}",
             f"consumers: {len(cfg.trainer.devices)}  devices {cfg.trainer.devices}  "
             f"(block size {cfg.trainer.block_size}, anchors {cfg.trainer.num_anchors}, grad_accum {cfg.trainer.grad_accum})",
@@ -154,6 +158,26 @@ def open_dataset(path: str, flag: str, shape: dict):
     return ds
 
 
+def check_anchors(ds, flag: str = "--data") -> list[str]:
+    """Refuse a dataset none of whose samples can give a DFlash anchor (two adjacent loss-carrying tokens,
+    ``shared.data.has_anchor``): every step would be skipped and the run would train nothing. Raises
+    ``ConfigError`` naming ``flag`` and the first sample (with its source row when recorded); returns a
+    note when only some samples lack an anchor."""
+    bad = ds.samples_without_anchor()
+    if not len(bad):
+        return []
+    first = int(bad[0])
+    fi, row = ds.source(first)
+    where = f"sample {first}" + (f" (input file {fi}, row/line {row})" if fi >= 0 else "")
+    if len(bad) == len(ds):
+        raise ConfigError(f"{flag}: none of the {len(ds)} samples of {ds.path} has two adjacent tokens that carry "
+                          f"loss (loss_mask[p] == loss_mask[p+1] == 1), which a DFlash anchor needs: every step "
+                          f"would train nothing (e.g. {where}); prepare it again with `launch.py prepare`, which "
+                          f"names such rows (no_anchor)", key="data.data")
+    return [f"{len(bad)} of {len(ds)} samples have no two adjacent loss tokens (no DFlash anchor) and train "
+            f"nothing, e.g. {where}"]
+
+
 def resolve_run(cfg: RunConfig) -> RunPlan:
     """Validate ``cfg`` and compute the ``RunPlan``; raises ``ConfigError`` naming the flag at fault.
 
@@ -161,7 +185,7 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     ``cfg.producer.target_layer_ids``, ``cfg.ring.slot_bytes`` when 0 and ``cfg.trainer.max_steps`` when
     ``--epochs`` is given, so that children read fully resolved values.
     """
-    from producers.target import resolve_layer_ids
+    from producers.target import DEFAULT_NUM_TARGET_LAYERS, resolve_layer_ids
     from shared.data import BatchPlan
 
     for i, d in enumerate(cfg.producer.devices):
@@ -170,16 +194,24 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         check_device(d, "--consumers")
     shape = target_shape(cfg.producer.target)
     L, H = int(shape["num_hidden_layers"]), int(shape["hidden_size"])
+    asked_ids, asked_n = cfg.producer.target_layer_ids, cfg.producer.num_target_layers
     try:
-        ids = resolve_layer_ids(L, cfg.producer.target_layer_ids, cfg.producer.num_target_layers)
+        ids = resolve_layer_ids(L, asked_ids, asked_n)
     except (ConfigError, ValueError) as e:
-        raise ConfigError(f"--target-layers: {e}") from None
+        key = "producer.target_layer_ids" if asked_ids is not None else "producer.num_target_layers"
+        detail = e.detail if isinstance(e, ConfigError) else str(e)
+        raise ConfigError(f"{cfg.origin(key)}: {detail}", key=key, detail=detail) from None
     cfg.producer.target_layer_ids = list(ids)
+    notes = []
+    if asked_ids is None and asked_n is None and len(ids) < DEFAULT_NUM_TARGET_LAYERS:
+        notes.append(f"the {L}-layer target gives {len(ids)} default capture layers {ids} (DFlash default "
+                     f"{DEFAULT_NUM_TARGET_LAYERS} on deeper targets)")
     if not cfg.data.data:
         from shared.prepare import ensure_demo
         train, heldout = ensure_demo(REPO_ROOT)
         cfg.data.data, cfg.data.heldout = str(train), cfg.data.heldout or str(heldout)
     ds = open_dataset(cfg.data.data, "--data", shape)
+    notes.extend(check_anchors(ds, cfg.origin("data.data")))
     if cfg.data.heldout and cfg.trainer.eval_prompts > 0:  # tau during training reads it in the consumer
         held = open_dataset(cfg.data.heldout, "--heldout", shape)
         if not (held.lengths > cfg.trainer.eval_prompt_len).any():
@@ -193,7 +225,12 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     per_epoch = plan.num_batches()
     world, accum = len(cfg.trainer.devices), cfg.trainer.grad_accum
     per_step = world * accum
-    notes = []
+    need = cfg.trainer.epochs * per_epoch if cfg.trainer.epochs else cfg.trainer.max_steps * per_step
+    if need > MAX_PLANNED_BATCHES:
+        key = "trainer.epochs" if cfg.trainer.epochs else "trainer.max_steps"
+        raise ConfigError(f"{cfg.origin(key)}: the run would plan {need:,} batches ({per_epoch:,} per epoch); at "
+                          f"most {MAX_PLANNED_BATCHES:,} are planned at once (the batch ledger is held in memory)",
+                          key=key)
     order: list[BatchInfo] = []
     if cfg.trainer.epochs:
         for e in range(cfg.trainer.epochs):
@@ -234,4 +271,4 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     return RunPlan(order=order, total_steps=cfg.trainer.max_steps, batches_per_epoch=per_epoch,
                    slot_bytes=cfg.ring.slot_bytes, ring_bytes=ring_bytes, target_layer_ids=list(ids),
                    hidden_size=H, num_layers=L, dtype_per_producer=dtypes, plan_summary=plan.summary(),
-                   notes=notes)
+                   notes=notes, data_digest=ds.content_digest(), data_samples=len(ds), data_tokens=ds.num_tokens)

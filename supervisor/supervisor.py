@@ -46,7 +46,7 @@ from supervisor.coordinator import Coordinator
 from supervisor.monitor import Child, HealthMonitor
 from supervisor.peers import CommandGate, LogLimiter
 from supervisor.progress import Progress
-from supervisor.resume import checkpoint_step_on_disk, read_trained_from_checkpoint
+from supervisor.resume import checkpoint_step_on_disk, read_checkpoint_batches
 from supervisor.runplan import RunPlan
 
 log = logging.getLogger(__name__)
@@ -68,11 +68,17 @@ class Outcome:
 class Supervisor:
     """One training run. ``plan`` is the resolved ``RunPlan`` (batch order, ring sizes, target shape);
     ``trained``: on ``--resume``, the batch ids of the checkpoint resumed from when the caller has already
-    read them (``None``: read from the run directory)."""
+    read them (``None``: read from the run directory); ``updated_before``: how many of them were trained by
+    steps that updated the weights (``None``: all of them).
 
-    def __init__(self, cfg: RunConfig, plan: RunPlan, trained: set[int] | None = None):
+    A run that reaches its end without a single step that updated the weights (every step skipped: no
+    labels, non-finite losses) ends ``nothing_trained`` (exit 1), not ``done``."""
+
+    def __init__(self, cfg: RunConfig, plan: RunPlan, trained: set[int] | None = None,
+                 updated_before: int | None = None):
         self.cfg = cfg
         self._trained_given = trained
+        self.updated_before = updated_before
         self.plan = plan
         self.run_dir = Path(cfg.run_dir)
         self.run_id = cfg.run_id or new_run_id()
@@ -113,8 +119,11 @@ class Supervisor:
             os.unlink(self.address[6:])  # a dead run's: this launcher holds RUN_DIR/.lock (claim_run_dir)
         trained: set[int] = set()
         if cfg.resume:
-            trained = self._trained_given if self._trained_given is not None else \
-                read_trained_from_checkpoint(self.run_dir)
+            if self._trained_given is not None:
+                trained = set(self._trained_given)
+            else:
+                updated, skipped = read_checkpoint_batches(self.run_dir)
+                trained, self.updated_before = updated | skipped, len(updated)
             self.trained_at_start = set(trained)
             self._checkpoint_from_disk()
             log.info("resume trained_batches=%d", len(trained))
@@ -394,6 +403,13 @@ class Supervisor:
             co = self.coordinator
             if (self.stop_reason or "done") == "done" and co is not None and co.bad and not co.trained:
                 self.stop_reason = "all_batches_bad"  # nothing trainable: not a success
+            if (self.stop_reason or "done") == "done" and co is not None and co.trained and not co.updated_steps \
+                    and not (len(self.trained_at_start) if self.updated_before is None else self.updated_before):
+                self.stop_reason = "nothing_trained"
+                log.error("nothing_trained steps=%d batches=%d: every optimizer step was skipped (no labels: no "
+                          "sample of its batches has two adjacent loss tokens; or a non-finite loss), the weights "
+                          "never changed; see the step_skipped lines in logs/consumer-0.log",
+                          len(self.trained_steps), len(co.skipped))
             reason = self.stop_reason or "done"
             if self.trained_steps:
                 self._checkpoint_from_disk()  # saved but its Checkpointed message was lost with the consumer
@@ -560,6 +576,9 @@ class Supervisor:
             "lost_batches": len(co.lost()) if co and outcome.exit_reason == "done" else 0,
             "remaining_batches": self._remaining(co) if co and outcome.exit_reason != "done" else 0,
             "bad_batches": len(co.bad) if co else 0,
+            # batches of steps that updated no weight (no labels, non-finite loss); counted in trained_batches
+            "skipped_batches": len(co.skipped) if co else 0,
+            "updated_steps": co.updated_steps if co else 0,
             "restarts": {str(c.index): c.restarts for c in self.producers},
             "loss_first": co.loss_first if co else None,
             "loss_last": co.loss_last if co else None,

@@ -80,7 +80,7 @@ def test_plan_starts_nothing_and_bad_flags_name_the_flag(dataset, tmp_path):
     assert not (run_dir / "topology.json").exists()
     for flag, value, needle in (("--producers", "cpu,cuda:7", "--producers"),
                                 ("--target-layers", "1,99", "--target-layers"),
-                                ("--block-size", "1", "block_size"),
+                                ("--block-size", "1", "--block-size: must be >= 2"),
                                 ("--slot-mb", "0.01", "--slot-mb"),
                                 ("--heldout", str(tmp_path / "missing.arrow"), "--heldout"),
                                 ("--heldout", str(REPO / "README.md"), "--heldout")):

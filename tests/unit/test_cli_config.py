@@ -93,7 +93,7 @@ def test_fresh_start_or_resume_without_checkpoint_clears_the_earlier_records(tmp
 
     run_dir = tmp_path / "r"
     (run_dir / "checkpoints" / ".step-000010.tmp-123").mkdir(parents=True)
-    records = ("metrics.jsonl", "eval.jsonl", "summary.json")
+    records = ("metrics.jsonl", "eval.jsonl", "summary.json", "data.json")
     for resume_it in (False, True):
         for name in records:
             (run_dir / name).write_text("{}\n")

@@ -261,3 +261,31 @@ def test_collate_right_pads(tmp_path):
     assert lengths.tolist() == [1, 3]
     with pytest.raises(ValueError, match="sample 2"):
         collate(ds, [2], pad_to=3, pad_id=3)
+
+
+# ------------------------------------------------------------------------------------------ anchors
+
+
+def test_samples_without_anchor_follow_the_trainers_rule(tmp_path):
+    """``has_anchor`` / ``TokenDataset.samples_without_anchor`` (across record batches) agree with
+    ``consumer.blocks.eligible_anchors``, the rule the trainer samples anchors by (issue 14 item 6)."""
+    from consumer.blocks import eligible_anchors
+    from shared.data import has_anchor
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for i in range(300):
+        n = int(rng.integers(1, 9))
+        p = [0.2, 0.5, 0.9][i % 3]
+        rows.append(([7] * n, (rng.random(n) < p).astype(int).tolist()))
+    rows += [([5, 6, 7, 8, 9, 10], [0, 1, 0, 1, 0, 1]), ([5], [1]), ([5, 6], [1, 1])]
+    ds = TokenDataset(write_arrow(tmp_path / "a.arrow", rows, chunk_rows=37))
+    want = []
+    for i, (_, mask) in enumerate(rows):
+        m = torch.tensor(mask)
+        ok = eligible_anchors(m, torch.tensor([0, len(mask)])).any().item()
+        assert has_anchor(mask) == ok
+        if not ok:
+            want.append(i)
+    assert ds.samples_without_anchor().tolist() == want
+    assert len(rows) - 3 in want and len(rows) - 2 in want and len(rows) - 1 not in want

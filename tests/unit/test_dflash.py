@@ -39,8 +39,10 @@ def test_default_layer_ids():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(8, 1) == [4]
     assert default_target_layer_ids(8, 2) == [1, 5]
+    # more layers than the 8-layer target can spread: as many distinct ones as it has (1..5), as the producer
+    assert DFlashConfig.from_target(TARGET, None, mask_token_id=3, num_target_layers=9).target_layer_ids == [1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="duplicate"):
-        DFlashConfig.from_target(TARGET, None, mask_token_id=3, num_target_layers=9)
+        DFlashConfig.from_target(TARGET, [1, 3, 1], mask_token_id=3)
 
 
 def test_config_from_target(cfg, tmp_path):

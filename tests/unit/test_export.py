@@ -6,6 +6,9 @@ Names and config fields are checked against the public draft definition (z-lab/d
 """
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,8 @@ from safetensors.torch import save_file
 from consumer import checkpoint as ckpt
 from consumer.dflash import EMBED_KEY, HEAD_KEY, DFlashConfig, build_drafter
 from consumer.export import export_drafter, load_exported, main, reference_weight_names
+from shared.data import TokenDataset
+from tests.system.launcher_util import make_dataset
 
 TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 LAYERS = [1, 3, 5]
@@ -178,3 +183,124 @@ def test_load_exported_refuses_foreign_or_incomplete_exports(tmp_path, drafter, 
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="num_target_layers 36"):
         load_exported(out, TARGET)
+
+
+# ------------------------------------------------------------------------------ as users load it (item 10)
+LOAD_AS_USERS_DO = r"""
+import json, sys, torch
+from transformers import AutoModel, AutoModelForCausalLM
+export_dir, target_dir, case = sys.argv[1], sys.argv[2], sys.argv[3]
+ref = torch.load(case)
+draft, info = AutoModel.from_pretrained(export_dir, trust_remote_code=True, dtype="auto", output_loading_info=True)
+draft.eval()
+target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=draft.dtype).eval()
+with torch.no_grad():
+    hidden = draft(position_ids=torch.cat([ref["cpos"], ref["pos"]])[None],
+                   noise_embedding=target.get_input_embeddings()(ref["ids"])[None], target_hidden=ref["ctx"][None])
+    logits = draft.compute_logits(hidden, target.lm_head)[0].float()
+    prompt = ref["prompt"][None]       # lossless in float32 (a bf16 target's greedy has near-ties)
+    target32 = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    spec = draft.spec_generate(target32, prompt, max_new_tokens=20, stop_token_ids=None)
+    greedy = target32.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=20,
+                               min_new_tokens=20, pad_token_id=0)
+print(json.dumps({"class": type(draft).__name__, "module": type(draft).__module__, "dtype": str(draft.dtype),
+                  "file": sys.modules[type(draft).__module__].__file__,
+                  "missing": list(info["missing_keys"]), "unexpected": list(info["unexpected_keys"]),
+                  "logits_equal": bool(torch.equal(logits, ref["logits"])),
+                  "max_diff": float((logits - ref["logits"]).abs().max()),
+                  "lossless": spec.tolist() == greedy.tolist(),
+                  "specring_modules": sorted(m for m in sys.modules
+                                             if m.split(".")[0] in ("consumer", "shared", "producers", "supervisor"))}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_automodel_loads_the_export_as_our_class_with_the_drafters_logits(tmp_path, drafter, dcfg, dtype):
+    """In a fresh interpreter, as the reference's README loads drafts: ``AutoModel.from_pretrained(dir,
+    trust_remote_code=True, dtype="auto")`` gives specring's DFlashDraftModel (no missing weights) whose
+    draft logits equal specring's drafter's in the exported dtype, and whose spec_generate is lossless."""
+    _save(tmp_path / "run", drafter, dcfg)
+    out = export_drafter(tmp_path / "run", tmp_path / "export", TARGET, dtype=dtype)
+    exported = json.loads((out / "config.json").read_text())["dtype"]
+    served = load_exported(out, TARGET, dtype=getattr(torch, exported))
+    ids, pos, ctx, cpos = _inputs(dcfg)
+    with torch.no_grad():
+        want = served.logits(served(ids, pos, ctx.to(served.fc.weight.dtype), cpos, None)).float()
+    prompt = torch.tensor(TokenDataset(make_dataset(tmp_path / "d.arrow", 1))[0][0][:24], dtype=torch.long)
+    torch.save({"ids": ids, "pos": pos, "ctx": ctx, "cpos": cpos, "logits": want, "prompt": prompt},
+               tmp_path / "case.pt")
+    env = dict(os.environ, HF_MODULES_CACHE=str(tmp_path / "hf_modules"), HF_HUB_OFFLINE="1", PYTHONPATH="")
+    res = subprocess.run([sys.executable, "-c", LOAD_AS_USERS_DO, str(out), str(TARGET), str(tmp_path / "case.pt")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["class"] == "DFlashDraftModel" and got["file"].endswith("modeling_dflash.py"), got
+    assert got["missing"] == [] and got["unexpected"] == [], got
+    assert got["specring_modules"] == [], got           # the export's own file, nothing imported from specring
+    assert got["dtype"] == f"torch.{exported}"
+    assert got["logits_equal"], got
+    assert got["lossless"], got
+    evaluated = ckpt.load_drafter(out)                    # what `launch.py eval --drafter EXPORT` measures
+    assert evaluated.fc.weight.dtype == served.fc.weight.dtype
+    assert torch.equal(evaluated.logits(evaluated(ids, pos, ctx.to(served.fc.weight.dtype), cpos, None)).float(), want)
+
+
+def test_export_files_have_the_usual_modes_and_record_the_measured_dtype(tmp_path, drafter, dcfg, capsys):
+    run = tmp_path / "run"
+    _save(run, drafter, dcfg)
+    (run / "eval.jsonl").write_text(json.dumps({"step": 100, "tau_mean": 1.25}) + "\n")
+    assert main(["--drafter", str(run), "--output", str(tmp_path / "x"), "--target", str(TARGET)]) == 0
+    umask = os.umask(0o022)
+    os.umask(umask)
+    out = tmp_path / "x"
+    modes = {f.name: f.stat().st_mode & 0o777 for f in out.iterdir()}
+    assert set(modes) == {"config.json", "model.safetensors", "modeling_dflash.py", "specring_export.json"}
+    assert set(modes.values()) == {0o666 & ~umask} and (out.stat().st_mode & 0o777) == 0o777 & ~umask
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}
+    prov = json.loads((out / "specring_export.json").read_text())
+    assert prov["dtype"] == "bfloat16" and prov["checkpoint_dtype"] == "float32"
+    assert prov["tau_measured"] == {"step": 100, "tau_mean": 1.25, "dtype": "float32"}
+    assert "launch.py eval --drafter" in prov["dtype_note"] and "note: exported in bfloat16" in capsys.readouterr().out
+    step = ckpt.resolve_checkpoint(run)
+    assert {f.stat().st_mode & 0o777 for f in step.iterdir()} == {0o666 & ~umask}   # checkpoints too
+
+
+@pytest.mark.parametrize("right", [99, 2, 0])
+def test_spec_generate_keeps_the_agreeing_prefix_and_stays_lossless(tmp_path, drafter, dcfg, right):
+    """spec_generate with a draft that proposes the target's own greedy tokens for the first ``right`` slots
+    of each block (then wrong ones): whole blocks, partial blocks and no acceptance all give exactly the
+    target's greedy tokens, in ceil(N / (right + 1)) verify rounds."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from consumer.hf_model import DFlashDraftModel
+
+    _save(tmp_path / "run", drafter, dcfg)
+    out = export_drafter(tmp_path / "run", tmp_path / "e", TARGET, dtype="float32")
+    target = AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32).eval()
+    prompt = torch.tensor([[5, 17, 99, 250, 31, 8, 64, 77]])
+    n = 21
+    greedy = target.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=n,
+                             min_new_tokens=n, pad_token_id=0)[0]
+
+    class Oracle(DFlashDraftModel):
+        def draft(self, noise_embedding, positions, cache):
+            self.at = positions
+            return super().draft(noise_embedding, positions, cache)
+
+        def compute_logits(self, hidden, output_head):
+            want = greedy[self.at[1:].clamp(max=len(greedy) - 1)].clone()
+            want[right:] = (want[right:] + 1) % dcfg.vocab_size
+            return torch.nn.functional.one_hot(want, dcfg.vocab_size).float()
+
+    model = Oracle.from_pretrained(str(out), config=AutoConfig.from_pretrained(str(out))).eval()
+    calls = []
+    target.register_forward_hook(lambda *a: calls.append(1))
+    got = model.spec_generate(target, prompt, max_new_tokens=n)
+    assert got[0].tolist() == greedy.tolist()
+    per_round = min(right, dcfg.block_size - 1) + 1
+    assert len(calls) == 1 + -(-(n - 1) // per_round)       # prefill, then one verify per round
+    stop = int(greedy[len(prompt[0]) + 5])
+    cut = model.spec_generate(target, prompt, max_new_tokens=n, stop_token_ids=[stop])[0].tolist()
+    first = greedy.tolist().index(stop, len(prompt[0]))
+    assert cut == greedy[:first + 1].tolist()

@@ -93,6 +93,89 @@ def test_chat_mask_ignores_a_user_turn_that_quotes_the_answer(tok):
     assert masked_runs(tok, ids, mask) == ["def f(): pass<|im_end|>"]
 
 
+def _t(*pairs):
+    return [{"role": r, "content": c} for r, c in pairs]
+
+
+# Conversations of every shape (issue 14 item 7): turn orders, system/tool turns, empty contents, contents
+# that equal template text, repeated answers. Oracle: transformers' own {% generation %} mask.
+SHAPES = {
+    "starts_with_assistant": _t(("assistant", "t"), ("user", "ok"), ("assistant", "done")),
+    "only_assistant": _t(("assistant", "a")),
+    "system_first": _t(("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello")),
+    "assistant_then_system": _t(("assistant", "first"), ("system", "s"), ("assistant", "second")),
+    "empty_assistant_between": _t(("user", "q"), ("assistant", ""), ("user", "q2"), ("assistant", "a2")),
+    "consecutive_assistants": _t(("user", "q"), ("assistant", "x"), ("assistant", "x")),
+    "content_is_a_role_name": _t(("user", "assistant"), ("assistant", "assistant"), ("user", "user"),
+                                 ("assistant", "user")),
+    "content_is_template_text": _t(("assistant", "<|im_start|>"), ("user", "\n"), ("assistant", "\n")),
+    "repeated_answer_quoted_first": _t(("user", "ok ok"), ("assistant", "ok"), ("user", "ok?"), ("assistant", "ok")),
+    "tool_turns": _t(("user", "run"), ("assistant", "call f"), ("tool", "f -> 1"), ("assistant", "1")),
+    "single_characters": _t(("assistant", "s"), ("user", "s"), ("assistant", "s")),
+}
+
+
+# The fixture's template with {% generation %} markers around each answer and its <|im_end|>, rendering the
+# very same text (the {{ "\n" }} survives trim_blocks).
+FIXTURE_MARKED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+                  "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{{ '\\n' }}"
+                  "{% else %}{{ m['content'] }}<|im_end|>{{ '\\n' }}{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_chat_mask_of_every_shape_equals_the_generation_mask(tok, shape):
+    turns = SHAPES[shape]
+    out = tok.apply_chat_template(turns, chat_template=FIXTURE_MARKED, tokenize=True, return_dict=True,
+                                  return_assistant_tokens_mask=True)
+    assert tok.decode(out["input_ids"], skip_special_tokens=False) == tok.apply_chat_template(turns, tokenize=False)
+    for template in (FIXTURE_MARKED, None):       # with markers, and the fixture's own template without
+        ids, mask = render_chat(tok, turns, template)
+        assert ids.tolist() == list(out["input_ids"])
+        assert mask.tolist() == list(out["assistant_masks"]), (shape, template)
+
+
+def test_chat_that_starts_with_the_assistant_masks_its_content_not_the_header(tok):
+    """The reported input: the mask landed on <|im_start|> and ``t``/its <|im_end|> got 0."""
+    ids, mask = render_chat(tok, SHAPES["starts_with_assistant"])
+    toks = tok.convert_ids_to_tokens(ids.tolist())
+    assert [t for t, m in zip(toks, mask.tolist()) if m] == ["t", "<|im_end|>", "done", "<|im_end|>"]
+
+
+# Templates that add text of their own: a default system prompt that contains the answers, a reasoning
+# block before every answer, trimmed and upper-cased content.
+SYSTEM_ADDING = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant. "
+                 "Say ok, t or done.<|im_end|>\n{% endif %}" + MARKED_TEMPLATE)
+THINKING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
+            "<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}")
+TRIMMING = ("{% for m in messages %}[{{ m['role'] | upper }}] {{ m['content'] | trim }}"
+            "{% if m['role'] == 'assistant' %}<|endoftext|>{% endif %}\n{% endfor %}")
+
+
+@pytest.mark.parametrize("template, turns, want", [
+    (SYSTEM_ADDING, _t(("assistant", "t"), ("user", "ok"), ("assistant", "done")), ["t<|im_end|>", "done<|im_end|>"]),
+    (SYSTEM_ADDING, _t(("user", "ok"), ("assistant", "ok")), ["ok<|im_end|>"]),
+    (THINKING, _t(("user", "q"), ("assistant", "think"), ("user", "q"), ("assistant", "</think>")),
+     ["think<|im_end|>", "</think><|im_end|>"]),
+    (TRIMMING, _t(("assistant", "  ASSISTANT  "), ("user", " x "), ("assistant", "\nUSER\n")),
+     [" ASSISTANT<|endoftext|>", " USER<|endoftext|>"]),   # the template's space is merged into the token
+    (PLAIN_TEMPLATE, _t(("assistant", "ASSISTANT"), ("user", "###"), ("assistant", "###")),
+     ["ASSISTANT<|endoftext|>", "###<|endoftext|>"]),
+])
+def test_chat_mask_with_templates_that_add_or_change_text(tok, template, turns, want):
+    ids, mask = render_chat(tok, turns, template)
+    assert masked_runs(tok, ids, mask) == want
+
+
+def test_a_template_whose_layout_depends_on_the_content_is_a_named_bad_row(tok):
+    # Qwen3-style: a reasoning block in the content is moved into a header the marker does not produce
+    moving = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if '</think>' in m['content'] %}"
+              "<think>{{ m['content'].split('</think>')[0] }}</think>\n{{ m['content'].split('</think>')[1] }}"
+              "{% else %}<think></think>\n{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}")
+    with pytest.raises(prepare.BadRow, match="turn 1: .*depending on its content") as e:
+        render_chat(tok, _t(("user", "q"), ("assistant", "r</think>a")), moving)
+    assert e.value.kind == "template_mismatch"
+
+
 def test_sharegpt_turns_normalise():
     turns = normalize_turns([{"from": "system", "value": "s"}, {"from": "human", "value": "q"},
                              {"from": "gpt", "value": "a"}])
@@ -132,6 +215,7 @@ BAD = [
     ({"input_ids": [1, 2, 8192]}, "token_out_of_range"),
     ({"input_ids": [1, 2, 3], "loss_mask": [1, 1]}, "loss_mask_length"),
     ({"input_ids": [1, 2, 3], "loss_mask": [0, 0, 0]}, "loss_mask_all_zero"),
+    ({"input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 1, 0, 1, 0, 1]}, "no_anchor"),
     ("{not json", "invalid_json"),
     ({"prompt": "x"}, "unknown_format"),
 ]
@@ -220,12 +304,12 @@ def test_truncation_that_removes_all_loss_is_a_bad_row(tmp_path, capsys):
 
 
 def test_globs_and_several_files(tmp_path, capsys):
-    write_jsonl(tmp_path / "a.jsonl", [{"input_ids": [1]}, {"input_ids": [2]}])
-    write_jsonl(tmp_path / "b.jsonl", [{"input_ids": [3]}])
+    write_jsonl(tmp_path / "a.jsonl", [{"input_ids": [1, 1]}, {"input_ids": [2, 2]}])
+    write_jsonl(tmp_path / "b.jsonl", [{"input_ids": [3, 3]}])
     rc, _, _ = run_prepare(capsys, str(tmp_path / "*.jsonl"), "--output", tmp_path / "o.arrow")
     assert rc == 0
     ds = TokenDataset(tmp_path / "o.arrow")
-    assert [ds[i][0].tolist() for i in range(3)] == [[1], [2], [3]]
+    assert [ds[i][0].tolist() for i in range(3)] == [[1, 1], [2, 2], [3, 3]]
     assert [ds.source(i) for i in range(3)] == [(0, 1), (0, 2), (1, 1)]
 
 
@@ -301,3 +385,23 @@ def test_ensure_demo_builds_once(tmp_path, monkeypatch):
     second = ensure_demo(tmp_path)
     assert first == second == (tmp_path / "data/demo/train.arrow", tmp_path / "data/demo/heldout.arrow")
     assert len(calls) == 1
+
+
+def test_rows_without_an_anchor_are_named_and_a_file_of_only_them_is_an_error(tmp_path, capsys):
+    """Issue 14 item 6: no two adjacent trainable tokens (also after truncation, or a 1-token text) means no
+    DFlash anchor: prepare names the rows instead of writing samples that train nothing."""
+    rows = [{"input_ids": [5, 6, 7, 8, 9, 10], "loss_mask": [0, 1, 0, 1, 0, 1]},
+            {"input_ids": [5, 6, 7, 8], "loss_mask": [1, 0, 1, 1]},                  # anchor at 2: kept
+            {"input_ids": [5, 6, 7, 8], "loss_mask": [1, 0, 1, 1]}]
+    src = write_jsonl(tmp_path / "a.jsonl", rows)
+    rc, _, err = run_prepare(capsys, src, "--output", tmp_path / "a.arrow", "--max-length", "3")
+    assert rc == 1 and "'no_anchor': 3" in err      # truncated to [0, 1, 0] / [1, 0, 1]: no anchor left
+    assert not (tmp_path / "a.arrow").exists()
+    rc, stdout, _ = run_prepare(capsys, src, "--output", tmp_path / "b.arrow")
+    assert rc == 0 and "no_anchor: " + str(src) + " line 1: no two adjacent tokens carry loss" in stdout
+    assert json.loads(sidecar_path(tmp_path / "b.arrow").read_text())["bad_rows"] == {"no_anchor": 1}
+    assert len(TokenDataset(tmp_path / "b.arrow")) == 2
+    only = write_jsonl(tmp_path / "only.jsonl", rows[:1] * 2)
+    rc, _, err = run_prepare(capsys, only, "--output", tmp_path / "c.arrow")
+    assert rc == 1 and "no sample was produced" in err and "'no_anchor': 2" in err
+    assert not (tmp_path / "c.arrow").exists()

@@ -65,10 +65,26 @@ def test_resolve_layer_ids_names_duplicates():
         resolve_layer_ids(8, [3, 1, 3], 3)
 
 
-def test_default_ids_that_collide_on_a_shallow_model_are_an_error():
-    # L = 5, n = 5: round(1 + k/4) = 1, 1, 2, 2, 2
-    with pytest.raises(ConfigError, match=r"default target layer ids.*duplicate layer ids \[1, 2\]"):
+def test_default_ids_on_a_shallow_model_are_fewer_and_an_explicit_count_that_does_not_fit_is_named():
+    # L = 5, n = 5 used to give round(1 + k/4) = 1, 1, 2, 2, 2
+    assert resolve_layer_ids(5, None) == [1, 2]
+    assert resolve_layer_ids(5, None, 5, exact=False) == [1, 2]
+    with pytest.raises(ConfigError, match=r"num_target_layers: a target with 5 decoder layers gives at most 2"):
         resolve_layer_ids(5, None, 5)
+
+
+@pytest.mark.parametrize("num_layers", range(1, 201))
+def test_default_layer_ids_are_distinct_valid_and_keep_the_dflash_spread(num_layers):
+    """Every depth, every count: distinct ids in [0, L), as many as asked when the DFlash range 1..L-3 has
+    room, else every id of that range; where the old formula gave distinct ids (L >= 4), the same ids."""
+    for n in range(1, 40):
+        ids = default_target_layer_ids(num_layers, n)
+        assert len(set(ids)) == len(ids) and all(0 <= i < num_layers for i in ids), (num_layers, n, ids)
+        room = max(1, num_layers - 3)
+        assert len(ids) == (1 if n == 1 else min(n, room)), (num_layers, n, ids)
+        old = [num_layers // 2] if n == 1 else [int(round(1 + k * (num_layers - 4) / (n - 1))) for k in range(n)]
+        if num_layers >= 4 and len(set(old)) == n and all(0 <= i < num_layers for i in old):
+            assert ids == old
 
 
 def test_resolve_layer_ids_rejects_empty():
