@@ -40,10 +40,15 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-from producers.producer import Producer  # noqa: E402
-from producers.target import base_model, default_target_layer_ids, resolve_device, resolve_dtype  # noqa: E402
-from shared import messages, ring  # noqa: E402
-from shared.config import DEFAULT_TARGET  # noqa: E402
+from specring.producers.producer import Producer  # noqa: E402
+from specring.shared.config import DEFAULT_TARGET  # noqa: E402
+from specring.shared.models.target import (  # noqa: E402
+    base_model,
+    default_target_layer_ids,
+    resolve_device,
+    resolve_dtype,
+)
+from specring.shared.transport import messages, ring  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,

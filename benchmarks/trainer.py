@@ -48,11 +48,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from consumer.blocks import sample_anchors  # noqa: E402
-from consumer.dflash import DFlashConfig  # noqa: E402
-from consumer.trainer import Trainer, anchor_seed  # noqa: E402
-from shared.config import DEFAULT_TARGET, TrainerConfig  # noqa: E402
 from benchmarks.random_target import QWEN3_8B, write_random_target  # noqa: E402
+from specring.consumer.blocks import sample_anchors  # noqa: E402
+from specring.consumer.trainer import Trainer, anchor_seed  # noqa: E402
+from specring.shared.config import DEFAULT_TARGET, TrainerConfig  # noqa: E402
+from specring.shared.models.dflash import DFlashConfig  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.4
 
@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         target, layers = DEFAULT_TARGET, 8
     else:
         target, layers = write_random_target(Path(tmp.name) / "qwen3-8b"), QWEN3_8B["num_hidden_layers"]
-    from producers.target import default_target_layer_ids
+    from specring.shared.models.target import default_target_layer_ids
     ids = default_target_layer_ids(layers, args.num_layers)
     dcfg = DFlashConfig.from_target(target, ids, args.block_size, mask_token_id=None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -56,7 +56,7 @@ try:
 except ImportError:  # the GPU image has no pyzmq unless it is carried
     zmq = None
 
-from shared import layout, messages, ring  # noqa: E402
+from specring.shared.transport import layout, messages, ring  # noqa: E402
 
 MiB = 1 << 20
 PEERS = ("zmq-ipc", "zmq-ipc+copy", "mp-queue", "mp-queue+copy")

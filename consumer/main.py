@@ -27,11 +27,12 @@ from datetime import timedelta
 
 import torch
 
-from shared import messages as m
-from shared.errors import BadBatch as BadBatchError, MessageError, SlotError
-from shared.layout import read_tensors
-from shared.procs import ChildContext, child_main
-from shared.ring import Ring
+from specring.shared.errors import BadBatch as BadBatchError
+from specring.shared.errors import MessageError, SlotError
+from specring.shared.procs import ChildContext, child_main
+from specring.shared.transport import messages as m
+from specring.shared.transport.layout import read_tensors
+from specring.shared.transport.ring import Ring
 
 log = logging.getLogger("consumer")
 
@@ -92,8 +93,8 @@ def _init_distributed(ctx: ChildContext, device: torch.device):
 
 
 def body(ctx: ChildContext) -> None:
-    from consumer.checkpoint import latest_checkpoint
-    from consumer.trainer import Trainer, dflash_config_from_run
+    from specring.consumer.trainer import Trainer, dflash_config_from_run
+    from specring.shared.checkpoint import latest_checkpoint
 
     cfg = ctx.config
     device = torch.device(cfg.trainer.devices[ctx.index])
@@ -118,7 +119,7 @@ def body(ctx: ChildContext) -> None:
                 log.info("resume checkpoint=%s step=%d", path, trainer.step_count)
         evaluator = None
         if rank == 0 and cfg.trainer.eval_prompts > 0 and cfg.data.heldout:
-            from consumer.evaluate import CheckpointEvaluator
+            from specring.consumer.tau import CheckpointEvaluator
             evaluator = CheckpointEvaluator(cfg, device, ctx.run_dir, prompt_len=cfg.trainer.eval_prompt_len)
             try:  # at start-up, where a long load of the target is expected (startup_timeout_s)
                 evaluator.load()
@@ -140,7 +141,7 @@ def body(ctx: ChildContext) -> None:
 
 
 def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=None) -> None:
-    from consumer.trainer import check_batch
+    from specring.consumer.trainer import check_batch
 
     cfg = ctx.config
     tokens, t0 = 0, time.monotonic()

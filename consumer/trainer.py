@@ -45,12 +45,28 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from consumer import checkpoint as ckpt
-from consumer.blocks import block_loss, build_attention_mask, build_block_batch, build_context_mask, build_flex_mask, \
-    loss_weights, sample_anchors, split_sequences, to_device
-from consumer.dflash import EMBED_KEY, HEAD_KEY, DFlashConfig, DFlashDrafter
-from shared.config import RunConfig, TrainerConfig
-from shared.errors import BadBatch
+from specring.consumer.blocks import (
+    block_loss,
+    build_block_batch,
+    loss_weights,
+    sample_anchors,
+    split_sequences,
+    to_device,
+)
+from specring.shared import checkpoint as ckpt
+from specring.shared.config import RunConfig, TrainerConfig
+from specring.shared.errors import BadBatch
+from specring.shared.models.dflash import (
+    EMBED_KEY,
+    HEAD_KEY,
+    DFlashConfig,
+    DFlashDrafter,
+)
+from specring.shared.models.draft_attention import (
+    build_attention_mask,
+    build_context_mask,
+    build_flex_mask,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -308,7 +324,7 @@ class Trainer:
         return time.perf_counter() - t0
 
     def _warm_up_once(self) -> None:
-        n, b = 2 * self.cfg.block_size + 2, self.cfg.block_size
+        n = 2 * self.cfg.block_size + 2
         batch = {"hidden": torch.zeros(2 * n, self.dcfg.num_target_layers * self.dcfg.hidden_size, device=self.device),
                  "input_ids": torch.full((2 * n,), self.dcfg.mask_token_id, dtype=torch.int32, device=self.device),
                  "loss_mask": torch.ones(2 * n, dtype=torch.uint8, device=self.device),

@@ -42,13 +42,14 @@ import time
 
 import torch
 
-from shared import faults, messages
-from shared.data import TokenDataset, collate
-from shared.errors import ConfigError, MessageError, SlotError
-from shared.procs import ChildContext, child_main
-from shared.ring import Ring
-from producers.producer import Pending, Producer
-from producers.target import resolve_device
+from specring.producers.producer import Pending, Producer
+from specring.shared import faults
+from specring.shared.data.dataset import TokenDataset, collate
+from specring.shared.errors import ConfigError, MessageError, SlotError
+from specring.shared.models.target import resolve_device
+from specring.shared.procs import ChildContext, child_main
+from specring.shared.transport import messages
+from specring.shared.transport.ring import Ring
 
 log = logging.getLogger(__name__)
 

@@ -42,12 +42,22 @@ from typing import Iterable
 
 import torch
 
-from shared import layout, messages
-from shared.config import ProducerConfig
-from shared.errors import ConfigError, PayloadTooLarge
-from shared.ring import Ring
-from producers.target import (LayerCapture, StopForward, base_model, check_checkpoint, greedy_next_tokens,
-                              hidden_size, load_target, num_decoder_layers, resolve_device, resolve_layer_ids)
+from specring.shared.config import ProducerConfig
+from specring.shared.errors import ConfigError, PayloadTooLarge
+from specring.shared.models.target import (
+    LayerCapture,
+    StopForward,
+    base_model,
+    check_checkpoint,
+    greedy_next_tokens,
+    hidden_size,
+    load_target,
+    num_decoder_layers,
+    resolve_device,
+    resolve_layer_ids,
+)
+from specring.shared.transport import layout, messages
+from specring.shared.transport.ring import Ring
 
 log = logging.getLogger(__name__)
 

@@ -13,14 +13,11 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
-from shared.errors import ConfigError
+from specring.shared.errors import ConfigError
+from specring.shared.paths import DEFAULT_TARGET
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TARGET = REPO_ROOT / "assets" / "tiny-code-lm"
-DEFAULT_DATA_DIR = REPO_ROOT / "data" / "demo"
 LABEL_SOURCES = ("data", "target")
 
 

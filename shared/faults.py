@@ -28,7 +28,7 @@ import subprocess
 import threading
 import time
 
-from shared.errors import ConfigError
+from specring.shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -40,8 +40,9 @@ from typing import Callable
 import psutil
 import zmq
 
-from shared import channel, messages
-from shared.config import RunConfig
+from specring.shared.config import RunConfig
+from specring.shared.paths import IMPORT_ROOT
+from specring.shared.transport import channel, messages
 
 log = logging.getLogger(__name__)
 
@@ -341,16 +342,15 @@ def child_argv(module: str, run_dir: str, index: int, generation: int) -> list[s
 def spawn_child(module: str, run_dir: str, index: int, generation: int, log_path: str | Path,
                 env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a child process in its own process group, its stdout/stderr appended to ``log_path``."""
-    repo_root = str(Path(__file__).resolve().parent.parent)
-    full_env = dict(os.environ)
-    full_env["PYTHONPATH"] = repo_root + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env = dict(os.environ)  # the child imports the same specring, installed or from a checkout
+    full_env["PYTHONPATH"] = str(IMPORT_ROOT) + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     if env:
         full_env.update(env)
     with open(log_path, "ab") as logf:
         return subprocess.Popen(child_argv(module, run_dir, index, generation), stdin=subprocess.DEVNULL,
                                 stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                                cwd=repo_root, env=full_env)
+                                env=full_env)
 
 
 def kill_group(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:

@@ -32,7 +32,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from shared import messages as m
+from specring.shared.transport import messages as m
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from typing import Callable
 
 import psutil
 
-from shared.config import MonitorConfig
+from specring.shared.config import MonitorConfig
 
 
 @dataclass

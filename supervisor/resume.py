@@ -29,8 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from shared.config import REPO_ROOT, RunConfig
-from shared.errors import ConfigError
+from specring.shared import paths
+from specring.shared.config import RunConfig
+from specring.shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ def prepare_run_dir(cfg: RunConfig) -> bool:
         if latest.exists() and not latest.is_symlink():
             raise ConfigError(f"--run-dir: {latest} is not the symbolic link specring keeps there; move it away "
                               f"or give --run-dir")
-        cfg.run_dir = str(REPO_ROOT / "runs" / time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+        cfg.run_dir = str(paths.runs_dir() / time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
         new_default = True
     run_dir = Path(cfg.run_dir)
     pid = supervisor_alive(run_dir)
@@ -238,8 +239,8 @@ def point_latest(run_dir: str) -> None:
 
 
 def latest_link() -> Path:
-    """``REPO_ROOT/runs/latest``: the link to the newest run, and the default of ``status``/``restart``."""
-    return REPO_ROOT / "runs" / "latest"
+    """``./runs/latest``: the link to the newest run, and the default of ``status``/``restart``."""
+    return paths.runs_dir() / "latest"
 
 
 def resume_dir(run_dir: str) -> str:
@@ -257,7 +258,7 @@ def resume_dir(run_dir: str) -> str:
 def checkpoint_step_on_disk(run_dir: Path) -> int | None:
     """Optimizer step of the checkpoint that ``checkpoints/latest`` names (read from its name, nothing is
     loaded), or None when there is no complete one."""
-    from consumer.checkpoint import latest_checkpoint
+    from specring.shared.checkpoint import latest_checkpoint
     try:
         path = latest_checkpoint(Path(run_dir) / "checkpoints")
     except (OSError, ValueError):  # latest names a directory without weights, or cannot be read
@@ -271,7 +272,7 @@ def read_checkpoint_batches(run_dir: Path) -> tuple[set[int], set[int]]:
     """``(updated, skipped)``: batch ids of the latest checkpoint of ``run_dir`` whose steps updated the
     weights, and those whose steps were skipped (no labels, non-finite loss); two empty sets if there is
     no checkpoint. Reads the trainer state only (memory-mapped), not the weights."""
-    from consumer.checkpoint import latest_checkpoint, load_trainer_state
+    from specring.shared.checkpoint import latest_checkpoint, load_trainer_state
     path = latest_checkpoint(Path(run_dir) / "checkpoints")
     if path is None:
         return set(), set()

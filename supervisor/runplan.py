@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from shared.config import REPO_ROOT, RunConfig
-from shared.errors import ConfigError
-from shared import layout
-from shared.ring import PAGE, segment_bytes, shm_free_bytes
-from supervisor.coordinator import BatchInfo
+from specring.shared.config import RunConfig
+from specring.shared.errors import ConfigError
+from specring.shared.transport import layout
+from specring.shared.transport.ring import PAGE, segment_bytes, shm_free_bytes
+from specring.supervisor.coordinator import BatchInfo
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def open_dataset(path: str, flag: str, shape: dict):
     """The ``TokenDataset`` at ``path``, checked against the target ``shape`` (its ``config.json``): it
     exists, is an Arrow file from ``launch.py prepare``, has samples, and its token ids fit the vocabulary.
     Raises ``ConfigError`` naming ``flag``."""
-    from shared.data import TokenDataset
+    from specring.shared.data.dataset import TokenDataset
 
     if not Path(path).is_file():
         what = "is a directory, not a dataset file" if Path(path).is_dir() else "does not exist"
@@ -185,8 +185,11 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     ``cfg.producer.target_layer_ids``, ``cfg.ring.slot_bytes`` when 0 and ``cfg.trainer.max_steps`` when
     ``--epochs`` is given, so that children read fully resolved values.
     """
-    from producers.target import DEFAULT_NUM_TARGET_LAYERS, resolve_layer_ids
-    from shared.data import BatchPlan
+    from specring.shared.data.dataset import BatchPlan
+    from specring.shared.models.target import (
+        DEFAULT_NUM_TARGET_LAYERS,
+        resolve_layer_ids,
+    )
 
     for i, d in enumerate(cfg.producer.devices):
         check_device(d, "--producers")
@@ -207,8 +210,8 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         notes.append(f"the {L}-layer target gives {len(ids)} default capture layers {ids} (DFlash default "
                      f"{DEFAULT_NUM_TARGET_LAYERS} on deeper targets)")
     if not cfg.data.data:
-        from shared.prepare import ensure_demo
-        train, heldout = ensure_demo(REPO_ROOT)
+        from specring.shared.data.demo import ensure_demo
+        train, heldout = ensure_demo()
         cfg.data.data, cfg.data.heldout = str(train), cfg.data.heldout or str(heldout)
     ds = open_dataset(cfg.data.data, "--data", shape)
     notes.extend(check_anchors(ds, cfg.origin("data.data")))

@@ -36,18 +36,37 @@ from pathlib import Path
 
 import zmq
 
-from shared import channel, messages as m
-from shared.config import RunConfig
-from shared.errors import MessageError
-from shared.procs import (RUN_ID_ENV, Topology, become_subreaper, kill_group, kill_orphans, parse_identity,
-                          peer_identity, spawn_child, sweep_run_processes, terminate)
-from shared.ring import Ring, check_shm_space, new_run_id, run_owned, segment_bytes, segment_name, sweep_stale
-from supervisor.coordinator import Coordinator
-from supervisor.monitor import Child, HealthMonitor
-from supervisor.peers import CommandGate, LogLimiter
-from supervisor.progress import Progress
-from supervisor.resume import checkpoint_step_on_disk, read_checkpoint_batches
-from supervisor.runplan import RunPlan
+from specring.shared.config import RunConfig
+from specring.shared.errors import MessageError
+from specring.shared.procs import (
+    RUN_ID_ENV,
+    Topology,
+    become_subreaper,
+    kill_group,
+    kill_orphans,
+    parse_identity,
+    peer_identity,
+    spawn_child,
+    sweep_run_processes,
+    terminate,
+)
+from specring.shared.transport import channel
+from specring.shared.transport import messages as m
+from specring.shared.transport.ring import (
+    Ring,
+    check_shm_space,
+    new_run_id,
+    run_owned,
+    segment_bytes,
+    segment_name,
+    sweep_stale,
+)
+from specring.supervisor.coordinator import Coordinator
+from specring.supervisor.monitor import Child, HealthMonitor
+from specring.supervisor.peers import CommandGate, LogLimiter
+from specring.supervisor.progress import Progress
+from specring.supervisor.resume import checkpoint_step_on_disk, read_checkpoint_batches
+from specring.supervisor.runplan import RunPlan
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +166,7 @@ class Supervisor:
                  self.address)
 
     def _spawn(self, child: Child) -> None:
-        module = "producers.main" if child.role == "producer" else "consumer.main"
+        module = "specring.producers.main" if child.role == "producer" else "specring.consumer.main"
         env = {RUN_ID_ENV: self.run_id}  # inherited by all it starts: the next start finds leftovers by it
         if child.role == "consumer":
             env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.dist_port),

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pyarrow as pa
 import pyarrow.ipc as ipc
-import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 TARGET = REPO / "assets" / "tiny-code-lm"
@@ -22,8 +22,9 @@ TARGET = REPO / "assets" / "tiny-code-lm"
 
 def make_dataset(path: Path, num_samples: int = 48, seed: int = 0) -> Path:
     """A small tokenized dataset of real stdlib code (fixture tokenizer), lengths 48..128, written as Arrow."""
-    from transformers import AutoTokenizer
     import sysconfig
+
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(TARGET))
     stdlib = Path(sysconfig.get_paths()["stdlib"])

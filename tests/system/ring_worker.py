@@ -34,9 +34,9 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 import zmq  # noqa: E402
 
-from shared import layout, messages  # noqa: E402
-from shared.errors import SlotError  # noqa: E402
-from shared.ring import Ring, payload_crc32, segment_name  # noqa: E402
+from specring.shared.errors import SlotError  # noqa: E402
+from specring.shared.transport import layout, messages  # noqa: E402
+from specring.shared.transport.ring import Ring, payload_crc32, segment_name  # noqa: E402
 
 RECV_TIMEOUT_S = 20.0
 

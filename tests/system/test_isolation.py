@@ -18,19 +18,31 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 import zmq
 
-from shared import messages as m
-from shared.ring import sweep_stale
-
-from tests.system.launcher_util import (PID_NAMESPACE, REPO, child_pid, fault_helpers, kill_tree, make_dataset,
-                                        metrics_batch_ids, pid_namespace_problem, process_alive, segments_of, small_flags, start_launcher,
-                                        status_rows, summary, wait_for)
+from specring.shared.transport import messages as m
+from specring.shared.transport.ring import sweep_stale
+from tests.system.launcher_util import (
+    PID_NAMESPACE,
+    REPO,
+    child_pid,
+    fault_helpers,
+    kill_tree,
+    make_dataset,
+    metrics_batch_ids,
+    pid_namespace_problem,
+    process_alive,
+    segments_of,
+    small_flags,
+    start_launcher,
+    status_rows,
+    summary,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -106,7 +118,7 @@ def test_runs_in_other_pid_namespaces_sharing_dev_shm_leave_each_other_alone(dat
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and "producer-0" in out.stdout, (out.stdout, out.stderr)
 
-        os.kill(_host_pid(run_b, "producers.main", 0), signal.SIGKILL)  # B's restart attaches its ring again
+        os.kill(_host_pid(run_b, "specring.producers.main", 0), signal.SIGKILL)  # B's restart attaches its ring again
         os.kill(child_pid(run_a, "producer", 1), signal.SIGKILL)
         wait_for(lambda: child_pid(run_a, "producer", 1, 2), 60, "run A's producer 1 back")
         assert proc_b.wait(timeout=150) == 0, (tmp_path / "b.log").read_text()[-3000:]
@@ -160,7 +172,7 @@ def test_processes_a_child_started_do_not_outlive_its_restart_or_the_run(dataset
 
 ORPHANS_SCRIPT = """
 import json, os, subprocess, sys, time
-from shared.procs import RUN_ID_ENV, become_subreaper, kill_orphans
+from specring.shared.procs import RUN_ID_ENV, become_subreaper, kill_orphans
 assert become_subreaper()
 env = dict(os.environ, **{RUN_ID_ENV: "run1"})
 other = {k: v for k, v in os.environ.items() if k != RUN_ID_ENV}

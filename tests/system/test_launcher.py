@@ -20,10 +20,22 @@ import psutil
 import pytest
 import zmq
 
-from shared import messages as m
-from tests.system.launcher_util import (REPO, child_pid, fault_helpers, kill_tree, make_dataset, metrics_batch_ids,
-                                        process_alive, segments_of, small_flags, start_launcher, status_rows,
-                                        summary, wait_for)
+from specring.shared.transport import messages as m
+from tests.system.launcher_util import (
+    REPO,
+    child_pid,
+    fault_helpers,
+    kill_tree,
+    make_dataset,
+    metrics_batch_ids,
+    process_alive,
+    segments_of,
+    small_flags,
+    start_launcher,
+    status_rows,
+    summary,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,8 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.system.launcher_util import (kill_tree, make_dataset, metrics_batch_ids, small_flags, start_launcher,
-                                        summary)
+from tests.system.launcher_util import (
+    kill_tree,
+    make_dataset,
+    metrics_batch_ids,
+    small_flags,
+    start_launcher,
+    summary,
+)
 
 pytestmark = pytest.mark.timeout(240)
 

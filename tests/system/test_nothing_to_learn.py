@@ -18,9 +18,16 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from supervisor.cli import build_parser, config_from_args
-from supervisor.runplan import resolve_run
-from tests.system.launcher_util import REPO, kill_tree, segments_of, small_flags, start_launcher, summary
+from specring.cli.train import build_parser, config_from_args
+from specring.supervisor.runplan import resolve_run
+from tests.system.launcher_util import (
+    REPO,
+    kill_tree,
+    segments_of,
+    small_flags,
+    start_launcher,
+    summary,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -23,11 +23,19 @@ import pytest
 import torch
 import zmq
 
-from producers.target import load_target
-from shared import channel, layout, messages, procs, ring
-from shared.config import DEFAULT_TARGET, DataConfig, MonitorConfig, ProducerConfig, RingConfig, RunConfig
-from shared.data import TokenDataset
-from shared.ring import EMPTY, Ring
+from specring.shared import procs
+from specring.shared.config import (
+    DEFAULT_TARGET,
+    DataConfig,
+    MonitorConfig,
+    ProducerConfig,
+    RingConfig,
+    RunConfig,
+)
+from specring.shared.data.dataset import TokenDataset
+from specring.shared.models.target import load_target
+from specring.shared.transport import channel, layout, messages, ring
+from specring.shared.transport.ring import EMPTY, Ring
 
 WAIT_S = 40.0        # a child's start-up imports torch and transformers and loads the target
 LAYER_IDS = [1, 4, 7]
@@ -72,7 +80,7 @@ class FakeCoordinator:
         procs.Topology(run_id=self.run_id, address=address, rings=[self.ring.name], slot_bytes=self.ring.slot_bytes,
                        num_slots=2, supervisor_pid=os.getpid()).save(self.dir)
         self.log = os.path.join(self.dir, "producer-0.log")
-        self.proc = procs.spawn_child("producers.main", self.dir, 0, generation, self.log, env=env)
+        self.proc = procs.spawn_child("specring.producers.main", self.dir, 0, generation, self.log, env=env)
         self.peer = None
         self.seen: list = []
 

@@ -18,9 +18,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shared.prepare import main as prepare_main
-from supervisor.cli import train_main
-from tests.system.launcher_util import REPO, kill_tree, small_flags, start_launcher, summary, wait_for
+from specring.cli.prepare import main as prepare_main
+from specring.cli.train import train_main
+from tests.system.launcher_util import (
+    REPO,
+    kill_tree,
+    small_flags,
+    start_launcher,
+    summary,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -32,8 +32,8 @@ if HERE not in sys.path:
 
 import ring_worker  # noqa: E402
 
-from shared import layout, messages, ring  # noqa: E402
-from shared.ring import PUBLISHED, WRITING, Ring  # noqa: E402
+from specring.shared.transport import layout, messages, ring  # noqa: E402
+from specring.shared.transport.ring import PUBLISHED, WRITING, Ring  # noqa: E402
 from tests.system.launcher_util import PID_NAMESPACE, pid_namespace_problem  # noqa: E402
 
 WORKER = os.path.join(HERE, "ring_worker.py")
@@ -296,7 +296,7 @@ def test_sweeps_in_other_pid_namespaces_keep_live_segments(h):
     assert ring.sweep_stale() is not None and ns_name in h.segments(), \
         "a sweep here removed the live segment of a creator in another PID namespace"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    code = f"from shared import ring; print(ring.sweep_stale({h.run_id!r}))"
+    code = f"from specring.shared.transport import ring; print(ring.sweep_stale({h.run_id!r}))"
     out = subprocess.run([*PID_NAMESPACE, sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=WAIT_S)
     assert out.returncode == 0, out.stderr

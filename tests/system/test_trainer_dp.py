@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumer.dflash import DFlashConfig
-from consumer.trainer import Trainer, make_batch_in_process
-from shared.config import TrainerConfig
+from specring.consumer.trainer import Trainer, make_batch_in_process
+from specring.shared.config import TrainerConfig
+from specring.shared.models.dflash import DFlashConfig
 from tests.unit.test_trainer import cat_batches
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,9 +29,9 @@ WORKER = textwrap.dedent('''
     import torch.distributed as dist
     torch.set_num_threads(1)
     rank, world, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    from consumer.dflash import DFlashConfig
-    from consumer.trainer import Trainer
-    from shared.config import TrainerConfig
+    from specring.shared.models.dflash import DFlashConfig
+    from specring.consumer.trainer import Trainer
+    from specring.shared.config import TrainerConfig
     spec = json.load(open(os.path.join(work, "spec.json")))
     batches = torch.load(os.path.join(work, "batches.pt"))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -61,8 +61,8 @@ def _batches():
     """2 * STEPS packed batches of real hidden states from the fixture, of different sizes."""
     from transformers import AutoModelForCausalLM
 
-    from shared.data import TokenDataset
-    from shared.prepare import ensure_demo
+    from specring.shared.data.dataset import TokenDataset
+    from specring.shared.data.demo import ensure_demo
 
     ds = TokenDataset(ensure_demo()[0])
     target = AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32).eval()

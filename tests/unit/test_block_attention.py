@@ -3,8 +3,13 @@
 import pytest
 import torch
 
-from consumer.blocks import build_attention_mask, build_block_batch, build_context_mask, sample_anchors
-from consumer.dflash import DFlashConfig, DFlashDrafter, block_attention
+from specring.consumer.blocks import build_block_batch, sample_anchors
+from specring.shared.models.dflash import DFlashConfig, DFlashDrafter
+from specring.shared.models.draft_attention import (
+    block_attention,
+    build_attention_mask,
+    build_context_mask,
+)
 
 
 def test_block_attention_matches_dense_sdpa():
@@ -50,7 +55,7 @@ def test_drafter_structured_forward_equals_dense_forward():
 
 def test_chunked_loss_backward_equals_one_shot():
     """block_loss in chunks with per-chunk backward gives the same loss, statistics and gradient."""
-    from consumer.blocks import IGNORE, block_loss, loss_weights
+    from specring.consumer.blocks import IGNORE, block_loss, loss_weights
     torch.manual_seed(2)
     head = torch.randn(40, 8, dtype=torch.float64)
     hidden = torch.randn(6 * 4, 8, dtype=torch.float64)
@@ -85,7 +90,7 @@ def _flex_case(seed: int, block_size: int, tile: int):
 def test_flex_mask_equals_the_dense_mask_and_its_tiles_cover_it(seed, block_size, tile):
     """The mask function reproduces build_attention_mask on the real rows/columns; every allowed element lies
     in a listed tile; every tile listed as full is allowed everywhere on the real rows."""
-    from consumer.blocks import build_flex_mask
+    from specring.shared.models.draft_attention import build_flex_mask
     ids, lm, cu, anchors = _flex_case(seed, block_size, tile)
     if anchors.numel() == 0:
         pytest.skip("no anchors drawn")
@@ -123,7 +128,7 @@ def test_flex_mask_equals_the_dense_mask_and_its_tiles_cover_it(seed, block_size
 def test_drafter_flex_forward_equals_dense_forward():
     """Forward only: flex attention has no CPU backward (benchmarks/trainer.py --check compares gradients on
     CUDA)."""
-    from consumer.blocks import build_flex_mask
+    from specring.shared.models.draft_attention import build_flex_mask
     torch.manual_seed(3)
     cfg = DFlashConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=50,

@@ -5,8 +5,16 @@ import math
 import pytest
 import torch
 
-from consumer.blocks import (IGNORE, block_loss, build_attention_mask, build_block_batch, eligible_anchors,
-                             loss_weights, sample_anchors, split_sequences)
+from specring.consumer.blocks import (
+    IGNORE,
+    block_loss,
+    build_block_batch,
+    eligible_anchors,
+    loss_weights,
+    sample_anchors,
+    split_sequences,
+)
+from specring.shared.models.draft_attention import build_attention_mask
 
 
 def _random_packed(gen: torch.Generator, num_seqs: int, max_len: int = 12):

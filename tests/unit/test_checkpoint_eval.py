@@ -4,10 +4,10 @@ import json
 
 import torch
 
-from consumer.evaluate import CheckpointEvaluator
-from consumer.trainer import dflash_config_from_run
-from consumer.dflash import build_drafter
-from shared.config import DataConfig, ProducerConfig, RunConfig, TrainerConfig
+from specring.consumer.tau import CheckpointEvaluator
+from specring.consumer.trainer import dflash_config_from_run
+from specring.shared.config import DataConfig, ProducerConfig, RunConfig, TrainerConfig
+from specring.shared.models.dflash import build_drafter
 from tests.system.launcher_util import TARGET, make_dataset
 
 

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from shared.errors import ConfigError
-from supervisor.cli import build_parser, config_from_args
+from specring.cli.train import build_parser, config_from_args
+from specring.shared.errors import ConfigError
 
 
 def parse(*argv):
@@ -66,10 +66,10 @@ def test_bad_config_files_name_the_key_or_field(tmp_path, text, needle):
 def test_run_dir_default_is_a_new_stamped_dir_and_resume_defaults_to_latest(tmp_path, monkeypatch):
     """No --run-dir: a fresh run gets runs/<UTC time>; runs/latest moves only when point_latest is called
     (after the start-up checks); --resume without --run-dir resolves to what runs/latest points at."""
-    from shared.config import RunConfig
-    from supervisor import resume
+    from specring.shared.config import RunConfig
+    from specring.supervisor import resume
 
-    monkeypatch.setattr(resume, "REPO_ROOT", tmp_path)
+    monkeypatch.chdir(tmp_path)  # runs go under the current directory
     cfg = RunConfig()
     cfg.run_dir = "runs/default"
     assert resume.prepare_run_dir(cfg) is True
@@ -88,8 +88,8 @@ def test_fresh_start_or_resume_without_checkpoint_clears_the_earlier_records(tmp
     """A run directory whose earlier start saved no checkpoint (only a half-written one): checking it
     changes nothing; claiming it (after every start-up check passed) removes its void records and the
     half-written checkpoint."""
-    from shared.config import RunConfig
-    from supervisor import resume
+    from specring.shared.config import RunConfig
+    from specring.supervisor import resume
 
     run_dir = tmp_path / "r"
     (run_dir / "checkpoints" / ".step-000010.tmp-123").mkdir(parents=True)
@@ -108,9 +108,9 @@ def test_fresh_start_or_resume_without_checkpoint_clears_the_earlier_records(tmp
 
 
 def test_run_dir_is_held_by_one_launcher_and_a_broken_latest_pointer_is_named(tmp_path):
-    from consumer.checkpoint import WEIGHTS_FILE
-    from shared.config import RunConfig
-    from supervisor import resume
+    from specring.shared.checkpoint import WEIGHTS_FILE
+    from specring.shared.config import RunConfig
+    from specring.supervisor import resume
 
     cfg = RunConfig()
     cfg.run_dir = str(tmp_path / "r")
@@ -131,10 +131,10 @@ def test_run_dir_is_held_by_one_launcher_and_a_broken_latest_pointer_is_named(tm
 
 
 def test_train_resume_without_run_dir_reads_the_run_latest_points_at(tmp_path, monkeypatch, capsys):
-    from supervisor import resume
-    from supervisor.cli import train_main
+    from specring.cli.train import train_main
+    from specring.supervisor import resume
 
-    monkeypatch.setattr(resume, "REPO_ROOT", tmp_path)
+    monkeypatch.chdir(tmp_path)  # runs go under the current directory
     (tmp_path / "runs" / "20260101-000000").mkdir(parents=True)
     (tmp_path / "runs" / "latest").symlink_to("20260101-000000")
     assert train_main(["--resume"]) == 2

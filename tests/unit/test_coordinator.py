@@ -4,8 +4,15 @@ import random
 
 import pytest
 
-from shared import messages as m
-from supervisor.coordinator import FREE, READING, READY, WRITING, BatchInfo, Coordinator
+from specring.shared.transport import messages as m
+from specring.supervisor.coordinator import (
+    FREE,
+    READING,
+    READY,
+    WRITING,
+    BatchInfo,
+    Coordinator,
+)
 
 
 def order(n, start=0):

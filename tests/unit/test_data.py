@@ -19,7 +19,14 @@ import pyarrow.ipc as ipc
 import pytest
 import torch
 
-from shared.data import BATCH_ID_STRIDE, Batch, BatchPlan, TokenDataset, collate, sidecar_path
+from specring.shared.data.dataset import (
+    BATCH_ID_STRIDE,
+    Batch,
+    BatchPlan,
+    TokenDataset,
+    collate,
+    sidecar_path,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -191,7 +198,7 @@ def _digest(batches: list[Batch]) -> str:
 
 _CHILD = """
 import hashlib, numpy as np
-from shared.data import BatchPlan
+from specring.shared.data.dataset import BatchPlan
 lengths = np.random.default_rng(3).integers(1, 200, 3000)
 plan = BatchPlan(lengths, max_tokens=256, max_batch_size=16, num_buckets=4, seed=0, fingerprint="f")
 b = plan.epoch(2)
@@ -269,8 +276,8 @@ def test_collate_right_pads(tmp_path):
 def test_samples_without_anchor_follow_the_trainers_rule(tmp_path):
     """``has_anchor`` / ``TokenDataset.samples_without_anchor`` (across record batches) agree with
     ``consumer.blocks.eligible_anchors``, the rule the trainer samples anchors by (issue 14 item 6)."""
-    from consumer.blocks import eligible_anchors
-    from shared.data import has_anchor
+    from specring.consumer.blocks import eligible_anchors
+    from specring.shared.data.dataset import has_anchor
 
     rng = np.random.default_rng(3)
     rows = []

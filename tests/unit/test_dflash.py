@@ -9,10 +9,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-import consumer.dflash as dflash
-from consumer.blocks import build_attention_mask, build_block_batch
-from consumer.dflash import DFlashConfig, DFlashDrafter, build_drafter
-from producers.target import default_target_layer_ids
+import specring.shared.models.dflash as dflash
+from specring.consumer.blocks import build_block_batch
+from specring.shared.models.dflash import DFlashConfig, DFlashDrafter, build_drafter
+from specring.shared.models.draft_attention import build_attention_mask
+from specring.shared.models.target import default_target_layer_ids
 
 TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 

@@ -15,14 +15,30 @@ import pyarrow.ipc as ipc
 import pytest
 import torch
 
-from consumer import checkpoint as ckpt
-from consumer.blocks import block_loss, build_attention_mask, build_block_batch, loss_weights, sample_anchors
-from consumer.dflash import DFlashConfig, build_drafter
-from consumer.evaluate import (DFlashProposer, DecodeResult, NoDraftProposer, evaluate_tau, greedy_generate,
-                               load_prompts, main, speculative_generate, summarize, untrained_drafter)
-from consumer.ngram import PromptLookupProposer
-from producers.target import load_target
-from shared.prepare import is_heldout
+from specring.cli.eval import main
+from specring.consumer.blocks import (
+    block_loss,
+    build_block_batch,
+    loss_weights,
+    sample_anchors,
+)
+from specring.shared import checkpoint as ckpt
+from specring.shared.data.demo import is_heldout
+from specring.shared.models.dflash import DFlashConfig, build_drafter
+from specring.shared.models.draft_attention import build_attention_mask
+from specring.shared.models.ngram import PromptLookupProposer
+from specring.shared.models.speculative import (
+    DecodeResult,
+    DFlashProposer,
+    NoDraftProposer,
+    evaluate_tau,
+    greedy_generate,
+    load_prompts,
+    speculative_generate,
+    summarize,
+    untrained_drafter,
+)
+from specring.shared.models.target import load_target
 
 TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 LAYERS = [1, 3, 5]

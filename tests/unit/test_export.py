@@ -16,10 +16,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from consumer import checkpoint as ckpt
-from consumer.dflash import EMBED_KEY, HEAD_KEY, DFlashConfig, build_drafter
-from consumer.export import export_drafter, load_exported, main, reference_weight_names
-from shared.data import TokenDataset
+from specring.cli.export import (
+    export_drafter,
+    load_exported,
+    main,
+    reference_weight_names,
+)
+from specring.shared import checkpoint as ckpt
+from specring.shared.data.dataset import TokenDataset
+from specring.shared.models.dflash import (
+    EMBED_KEY,
+    HEAD_KEY,
+    DFlashConfig,
+    build_drafter,
+)
 from tests.system.launcher_util import make_dataset
 
 TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
@@ -273,7 +283,7 @@ def test_spec_generate_keeps_the_agreeing_prefix_and_stays_lossless(tmp_path, dr
     target's greedy tokens, in ceil(N / (right + 1)) verify rounds."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from consumer.hf_model import DFlashDraftModel
+    from specring.cli.hf_model import DFlashDraftModel
 
     _save(tmp_path / "run", drafter, dcfg)
     out = export_drafter(tmp_path / "run", tmp_path / "e", TARGET, dtype="float32")

@@ -10,9 +10,11 @@ import msgpack
 import pytest
 import torch
 
-from shared import layout, messages
-from shared.errors import MessageError, PayloadTooLarge
-from tests.system.ring_worker import sample_tensor as make_tensor  # the cross-process round trip uses it too
+from specring.shared.errors import MessageError, PayloadTooLarge
+from specring.shared.transport import layout, messages
+from tests.system.ring_worker import (
+    sample_tensor as make_tensor,  # the cross-process round trip uses it too
+)
 
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (2, 0, 4), (2, 3, 4, 5), (1, 2, 1, 3, 1, 2)]
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from shared import messages
-from shared.errors import MessageError
+from specring.shared.errors import MessageError
+from specring.shared.transport import messages
 
 REQUIRED_KINDS = ("Hello", "Lease", "SlotReady", "SlotReleased", "Trained", "Heartbeat", "Shutdown", "Error")
 
@@ -219,8 +219,9 @@ def test_message_error_is_a_value_error():
                                               ("trained", "batch_ids", [True]), ("lease", "sample_ids", ["3"])])
 def test_list_items_of_the_wrong_type_are_rejected(kind, field, bad):
     import msgpack
-    from shared.errors import MessageError
-    from shared.messages import decode
+
+    from specring.shared.errors import MessageError
+    from specring.shared.transport.messages import decode
     body = {"trained": {"consumer": 0, "step": 1, "batch_ids": [1], "loss": 1.0, "num_tokens": 1},
             "lease": {"batch_id": 1, "slot": 0, "generation": 1, "epoch": 0, "sample_ids": [1], "pad_to": 4}}[kind]
     body = dict(body, **{field: bad}, kind=kind, v=1)

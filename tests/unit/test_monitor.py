@@ -9,11 +9,13 @@ import time
 import pytest
 import zmq
 
-from shared import channel, faults, messages as m
-from shared.config import MonitorConfig, RunConfig
-from shared.errors import ConfigError
-from shared.procs import ChildContext, Topology
-from supervisor.monitor import Child, HealthMonitor
+from specring.shared import faults
+from specring.shared.config import MonitorConfig, RunConfig
+from specring.shared.errors import ConfigError
+from specring.shared.procs import ChildContext, Topology
+from specring.shared.transport import channel
+from specring.shared.transport import messages as m
+from specring.supervisor.monitor import Child, HealthMonitor
 
 
 class Clock:

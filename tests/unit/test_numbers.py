@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from shared import config as C
-from shared.errors import ConfigError
-from shared.prepare import build_parser as prepare_parser, main as prepare_main
-from supervisor.cli import FLAGS, build_parser, config_from_args
+from specring.cli.prepare import build_parser as prepare_parser
+from specring.cli.prepare import main as prepare_main
+from specring.cli.train import FLAGS, build_parser, config_from_args
+from specring.shared import config as C
+from specring.shared.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 NUMERIC_FLAGS = sorted(flag for flag, (_, _, typ, _) in FLAGS.items()
@@ -93,7 +94,7 @@ def test_slot_mb_inf_is_an_error_not_a_traceback():
 
 
 def test_a_run_too_long_to_plan_names_max_steps(tmp_path):
-    from supervisor.runplan import resolve_run
+    from specring.supervisor.runplan import resolve_run
     from tests.system.launcher_util import make_dataset
 
     data = make_dataset(tmp_path / "d.arrow", num_samples=8)

@@ -10,9 +10,10 @@ import time
 import pytest
 import zmq
 
-from shared import channel, messages as m
-from supervisor.peers import CommandGate, LogLimiter
-from supervisor.supervisor import peer_name
+from specring.shared.transport import channel
+from specring.shared.transport import messages as m
+from specring.supervisor.peers import CommandGate, LogLimiter
+from specring.supervisor.supervisor import peer_name
 
 
 class Clock:

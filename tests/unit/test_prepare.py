@@ -14,10 +14,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from shared import prepare
-from shared.data import TokenDataset, sidecar_path
-from shared.prepare import (DEFAULT_TOKENIZER, build_demo, ensure_demo, is_heldout, load_tokenizer,
-                            normalize_turns, render_chat)
+from specring.cli import prepare as prepare_cli
+from specring.shared.data import demo, encode
+from specring.shared.data.dataset import TokenDataset, sidecar_path
+from specring.shared.data.demo import (
+    DEFAULT_TARGET,
+    build_demo,
+    ensure_demo,
+    is_heldout,
+)
+from specring.shared.data.encode import load_tokenizer, normalize_turns, render_chat
 
 CONVERSATION = [
     {"role": "system", "content": "You write Python."},
@@ -41,7 +47,7 @@ MARKED_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
 
 @pytest.fixture(scope="module")
 def tok():
-    return load_tokenizer(DEFAULT_TOKENIZER)
+    return load_tokenizer(DEFAULT_TARGET)
 
 
 def masked_runs(tok, ids, mask) -> list[str]:
@@ -171,7 +177,7 @@ def test_a_template_whose_layout_depends_on_the_content_is_a_named_bad_row(tok):
     moving = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if '</think>' in m['content'] %}"
               "<think>{{ m['content'].split('</think>')[0] }}</think>\n{{ m['content'].split('</think>')[1] }}"
               "{% else %}<think></think>\n{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}")
-    with pytest.raises(prepare.BadRow, match="turn 1: .*depending on its content") as e:
+    with pytest.raises(encode.BadRow, match="turn 1: .*depending on its content") as e:
         render_chat(tok, _t(("user", "q"), ("assistant", "r</think>a")), moving)
     assert e.value.kind == "template_mismatch"
 
@@ -181,7 +187,7 @@ def test_sharegpt_turns_normalise():
                              {"from": "gpt", "value": "a"}])
     assert turns == [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
                      {"role": "assistant", "content": "a"}]
-    with pytest.raises(prepare.BadRow) as e:
+    with pytest.raises(encode.BadRow) as e:
         normalize_turns([{"from": "narrator", "value": "x"}])
     assert e.value.kind == "unknown_role" and "narrator" in str(e.value)
 
@@ -190,7 +196,7 @@ def test_sharegpt_turns_normalise():
 
 
 def run_prepare(capsys, *argv) -> tuple[int, str, str]:
-    rc = prepare.main(["--workers", "1", "--no-progress", *map(str, argv)])
+    rc = prepare_cli.main(["--workers", "1", "--no-progress", *map(str, argv)])
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -330,7 +336,7 @@ def test_worker_processes_give_the_same_file(tmp_path, capsys):
     digests = []
     for workers in (1, 2):
         out = tmp_path / f"w{workers}.arrow"
-        assert prepare.main([str(src), "--output", str(out), "--workers", str(workers), "--no-progress"]) == 0
+        assert prepare_cli.main([str(src), "--output", str(out), "--workers", str(workers), "--no-progress"]) == 0
         side = json.loads(sidecar_path(out).read_text())
         digests.append((side["content_sha1"], side["num_samples"], side["bad_rows"]))
     capsys.readouterr()
@@ -354,9 +360,9 @@ def test_build_demo_on_a_few_files(tmp_path, monkeypatch):
     held = [n for n in names if is_heldout(n)][:2]
     train = [n for n in names if not is_heldout(n)][:6]
     docs = [(n, (root / n).read_text(encoding="utf-8")) for n in sorted(held + train)]
-    monkeypatch.setattr(prepare, "stdlib_files", lambda: (root, docs, 0))
+    monkeypatch.setattr(demo, "stdlib_files", lambda: (root, docs, 0))
     tr, ho = build_demo(tmp_path, max_length=256, workers=1, progress=False)
-    tok = load_tokenizer(DEFAULT_TOKENIZER)
+    tok = load_tokenizer(DEFAULT_TARGET)
     for path, expect in ((tr, train), (ho, held)):
         ds = TokenDataset(path)
         side = json.loads(sidecar_path(path).read_text())
@@ -377,10 +383,10 @@ def test_ensure_demo_builds_once(tmp_path, monkeypatch):
         calls.append(out_dir)
         for split in ("train", "heldout"):
             (out_dir / f"{split}.arrow").write_bytes(b"x")
-            sidecar_path(out_dir / f"{split}.arrow").write_text(json.dumps({"demo_version": prepare.DEMO_VERSION}))
+            sidecar_path(out_dir / f"{split}.arrow").write_text(json.dumps({"demo_version": demo.DEMO_VERSION}))
         return out_dir / "train.arrow", out_dir / "heldout.arrow"
 
-    monkeypatch.setattr(prepare, "build_demo", fake_build)
+    monkeypatch.setattr(demo, "build_demo", fake_build)
     first = ensure_demo(tmp_path)
     second = ensure_demo(tmp_path)
     assert first == second == (tmp_path / "data/demo/train.arrow", tmp_path / "data/demo/heldout.arrow")

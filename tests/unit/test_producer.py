@@ -12,12 +12,12 @@ import os
 import pytest
 import torch
 
-from producers.producer import INJECT_ENV, Producer, parse_batch_ids
-from producers.target import load_target
-from shared import layout, messages, ring
-from shared.config import DEFAULT_TARGET, ProducerConfig
-from shared.errors import ConfigError
-from shared.ring import EMPTY, PUBLISHED, Ring
+from specring.producers.producer import INJECT_ENV, Producer, parse_batch_ids
+from specring.shared.config import DEFAULT_TARGET, ProducerConfig
+from specring.shared.errors import ConfigError
+from specring.shared.models.target import load_target
+from specring.shared.transport import layout, messages, ring
+from specring.shared.transport.ring import EMPTY, PUBLISHED, Ring
 
 H = 256
 PAD = 3
@@ -242,7 +242,7 @@ def test_parse_batch_ids():
 
 
 def test_slow_write_env_is_parsed_and_checked(monkeypatch):
-    from producers.main import SLOW_WRITE_ENV, slow_write_from_env
+    from specring.producers.main import SLOW_WRITE_ENV, slow_write_from_env
     monkeypatch.delenv(SLOW_WRITE_ENV, raising=False)
     assert slow_write_from_env() == 0.0
     monkeypatch.setenv(SLOW_WRITE_ENV, "0.25")

@@ -3,8 +3,8 @@
 import logging
 from types import SimpleNamespace
 
-from supervisor.coordinator import BatchInfo, Coordinator
-from supervisor.progress import Progress
+from specring.supervisor.coordinator import BatchInfo, Coordinator
+from specring.supervisor.progress import Progress
 
 
 def test_non_interactive_progress_logs_key_value_lines_without_carriage_returns(caplog, capsys):
@@ -12,7 +12,7 @@ def test_non_interactive_progress_logs_key_value_lines_without_carriage_returns(
                      num_slots=3, num_consumers=1)
     producers = [SimpleNamespace(index=0, restarts=1), SimpleNamespace(index=1, restarts=0)]
     p = Progress(total_steps=4, num_producers=2, log_interval_s=0.0, interactive=False)
-    with caplog.at_level(logging.INFO, logger="supervisor.progress"):
+    with caplog.at_level(logging.INFO, logger="specring.supervisor.progress"):
         p.update(3, 5.25, co)
         p.refresh(co, producers, 1234.4)
         p.update(4, 4.5, co)  # after the last refresh: the closing line still has the final step and loss

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from shared import regenerate as rg
-from shared.data import TokenDataset
-from shared.prepare import ArrowSink, _result
+from specring.cli import regenerate as rg
+from specring.shared.data.dataset import TokenDataset
+from specring.shared.data.encode import _result
+from specring.shared.data.writer import ArrowSink
 
 TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 EOS = 0
@@ -36,7 +37,7 @@ def target():
 
 
 def greedy(target, prompt, n):
-    from consumer.evaluate import greedy_generate
+    from specring.shared.models.speculative import greedy_generate
     return greedy_generate(target, prompt, n, [EOS]).tokens
 
 

@@ -16,9 +16,9 @@ import zlib
 import pytest
 import torch
 
-from shared import layout, ring
-from shared.errors import ShmSpaceError, SlotError
-from shared.ring import EMPTY, PUBLISHED, WRITING, Ring
+from specring.shared.errors import ShmSpaceError, SlotError
+from specring.shared.transport import layout, ring
+from specring.shared.transport.ring import EMPTY, PUBLISHED, WRITING, Ring
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import fcntl
 import json
 import os
 
-from supervisor.resume import run_dir_held, stale_sockets, supervisor_alive
+from specring.supervisor.resume import run_dir_held, stale_sockets, supervisor_alive
 
 
 def test_a_held_lock_says_alive_whatever_pid_topology_records(tmp_path):

@@ -11,12 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from consumer.dflash import DFlashConfig
-from producers.target import LayerCapture, StopForward, base_model, load_target
-from shared.config import DEFAULT_TARGET
-from shared.errors import ConfigError
-from supervisor.cli import build_parser, config_from_args
-from supervisor.runplan import resolve_run
+from specring.cli.train import build_parser, config_from_args
+from specring.shared.config import DEFAULT_TARGET
+from specring.shared.errors import ConfigError
+from specring.shared.models.dflash import DFlashConfig
+from specring.shared.models.target import (
+    LayerCapture,
+    StopForward,
+    base_model,
+    load_target,
+)
+from specring.supervisor.runplan import resolve_run
 from tests.system.launcher_util import make_dataset
 
 

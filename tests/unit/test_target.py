@@ -12,11 +12,17 @@ import shutil
 import pytest
 import torch
 
-from producers import target
-from producers.target import (LayerCapture, StopForward, default_target_layer_ids, load_target,
-                              resolve_device, resolve_layer_ids)
-from shared.config import DEFAULT_TARGET
-from shared.errors import ConfigError
+from specring.shared.config import DEFAULT_TARGET
+from specring.shared.errors import ConfigError
+from specring.shared.models import target
+from specring.shared.models.target import (
+    LayerCapture,
+    StopForward,
+    default_target_layer_ids,
+    load_target,
+    resolve_device,
+    resolve_layer_ids,
+)
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from consumer import checkpoint as ckpt
-from consumer.dflash import DFlashConfig
-from consumer.trainer import Trainer, lr_factor, make_batch_in_process
-from shared.config import TrainerConfig
-from shared.errors import BadBatch
+from specring.consumer.trainer import Trainer, lr_factor, make_batch_in_process
+from specring.shared import checkpoint as ckpt
+from specring.shared.config import TrainerConfig
+from specring.shared.errors import BadBatch
+from specring.shared.models.dflash import DFlashConfig
 
 TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 LAYERS = [1, 3, 5]
@@ -29,8 +29,8 @@ def target():
 
 @pytest.fixture(scope="module")
 def demo():
-    from shared.data import TokenDataset
-    from shared.prepare import ensure_demo
+    from specring.shared.data.dataset import TokenDataset
+    from specring.shared.data.demo import ensure_demo
     train, heldout = ensure_demo()
     return TokenDataset(train), TokenDataset(heldout)
 

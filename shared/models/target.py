@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from shared.errors import ConfigError
+from specring.shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import zmq
 
-from shared import messages
-from shared.errors import MessageError, PeerTimeout
+from specring.shared.errors import MessageError, PeerTimeout
+from specring.shared.transport import messages
 
 log = logging.getLogger(__name__)
 

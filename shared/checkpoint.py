@@ -41,7 +41,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from consumer.dflash import EMBED_KEY, HEAD_KEY, DFlashConfig, DFlashDrafter
+from specring.shared.models.dflash import (
+    EMBED_KEY,
+    HEAD_KEY,
+    DFlashConfig,
+    DFlashDrafter,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -214,7 +219,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
     or when trainable weights are missing or unexpected.
     """
     if is_export(resolve_checkpoint(path)):
-        from consumer.export import load_exported_as_served
+        from specring.cli.export import load_exported_as_served
         return load_exported_as_served(resolve_checkpoint(path), device)
     tensors, _, config = load_checkpoint(path)
     dcfg = DFlashConfig.from_dict(config)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from shared.errors import ShmSpaceError, SlotError
+from specring.shared.errors import ShmSpaceError, SlotError
 
 log = logging.getLogger(__name__)
 

@@ -39,14 +39,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# One definition of the default capture layers for producer and consumer.
-from producers.target import resolve_layer_ids
-from consumer.blocks import FlexMask
+from specring.shared.models.draft_attention import (
+    FlexMask,
+    block_attention,
+    flex_attention_fn,
+)
+from specring.shared.models.target import resolve_layer_ids
 
 logger = logging.getLogger(__name__)
 
+
 EMBED_KEY = "embed_tokens.weight"
+
+
 HEAD_KEY = "lm_head.weight"
+
+
 FROZEN_KEYS = (EMBED_KEY, HEAD_KEY)
 
 
@@ -211,48 +219,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))
-
-
-_COMPILED_FLEX = None
-
-
-def flex_attention_fn(compiled: bool):
-    """``torch.nn.attention.flex_attention.flex_attention``, compiled with ``torch.compile`` when ``compiled``
-    (CUDA: the fused block-sparse kernel; compiled once per process and reused) or eager (CPU tests: an
-    unfused reference that materialises the scores)."""
-    global _COMPILED_FLEX
-    from torch.nn.attention.flex_attention import flex_attention
-    if not compiled or torch.compiler.is_compiling():  # inside a compiled layer dynamo compiles it in place
-        return flex_attention
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=True)  # one kernel for every batch shape
-    return _COMPILED_FLEX
-
-
-def block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor, k_blk: torch.Tensor,
-                    v_blk: torch.Tensor, ctx_mask: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Attention of ``A`` blocks of ``B`` draft queries over a masked context plus their own block.
-
-    ``q [Hq, Q, D]`` (Q = A*B), ``k_ctx/v_ctx [Hkv, C, D]``, ``k_blk/v_blk [Hkv, Q, D]``, ``ctx_mask [Q, C]``
-    bool (True = may attend). Returns ``[Hq, Q, D]``. Equal to softmax attention under the dense
-    ``[Q, C+Q]`` mask whose draft part is block-diagonal, but computes ``Q*(C+B)`` scores instead of
-    ``Q*(C+Q)`` (one joint softmax over the context scores and the in-block scores). GQA without
-    repeating keys: query heads are grouped onto their key/value head.
-    """
-    hq, qn, d = q.shape
-    hkv, c = k_ctx.shape[0], k_ctx.shape[1]
-    g, b = hq // hkv, int(block_size)
-    a = qn // b
-    scale = d ** -0.5
-    qg = q.reshape(hkv, g, qn, d)
-    s_ctx = torch.einsum("hgqd,hcd->hgqc", qg, k_ctx) * scale
-    s_ctx = s_ctx.masked_fill(~ctx_mask[None, None], float("-inf"))
-    s_blk = torch.einsum("hgaid,hajd->hgaij", qg.reshape(hkv, g, a, b, d), k_blk.reshape(hkv, a, b, d)) * scale
-    probs = torch.softmax(torch.cat([s_ctx, s_blk.reshape(hkv, g, qn, b)], dim=-1).float(), dim=-1).to(q.dtype)
-    out = torch.einsum("hgqc,hcd->hgqd", probs[..., :c], v_ctx)
-    out = out + torch.einsum("hgaij,hajd->hgaid", probs[..., c:].reshape(hkv, g, a, b, b),
-                             v_blk.reshape(hkv, a, b, d)).reshape(hkv, g, qn, d)
-    return out.reshape(hq, qn, d)
 
 
 class DFlashAttention(nn.Module):

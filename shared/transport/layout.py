@@ -18,7 +18,7 @@ from typing import Mapping
 
 import torch
 
-from shared.errors import MessageError, PayloadTooLarge
+from specring.shared.errors import MessageError, PayloadTooLarge
 
 ALIGN = 64
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from shared.errors import MessageError
+from specring.shared.errors import MessageError
 
 SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 1 << 20  # 1 MiB: a lease of thousands of sample ids still fits

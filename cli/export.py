@@ -52,10 +52,18 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from consumer import checkpoint as ckpt
-from consumer.hf_model import modeling_source
-from consumer.dflash import FROZEN_KEYS, EMBED_KEY, HEAD_KEY, DFlashConfig, DFlashDrafter, _rope_theta, _text_config, \
-    read_target_head
+from specring.cli.hf_model import modeling_source
+from specring.shared import checkpoint as ckpt
+from specring.shared.models.dflash import (
+    EMBED_KEY,
+    FROZEN_KEYS,
+    HEAD_KEY,
+    DFlashConfig,
+    DFlashDrafter,
+    _rope_theta,
+    _text_config,
+    read_target_head,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -222,8 +230,8 @@ def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     (no checkpoint, no target), ``FileExistsError`` (a non-empty ``output_dir`` without ``overwrite``) and
     ``ValueError`` for every refusal listed in the module docstring. Returns ``output_dir``.
     """
-    from consumer.evaluate import target_of_checkpoint
-    from shared.config import DEFAULT_TARGET
+    from specring.cli.eval import target_of_checkpoint
+    from specring.shared.config import DEFAULT_TARGET
 
     step_dir = ckpt.resolve_checkpoint(checkpoint)
     if ckpt.is_export(step_dir):
@@ -351,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``launch.py export``: 0 on success, 2 when the checkpoint is refused or a flag is wrong."""
-    from consumer.evaluate import configure_cli_logging
+    from specring.cli.eval import configure_cli_logging
 
     args = build_parser().parse_args(argv)
     configure_cli_logging("export")

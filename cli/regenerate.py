@@ -35,21 +35,19 @@ from __future__ import annotations
 
 import argparse
 import collections
-import hashlib
 import json
 import logging
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from shared.errors import ConfigError
+from specring.shared.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +105,7 @@ class TransformersBackend:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from producers.target import resolve_device, resolve_dtype
+        from specring.shared.models.target import resolve_device, resolve_dtype
         dev = resolve_device(device)
         self.device = dev
         self.model = AutoModelForCausalLM.from_pretrained(target, dtype=resolve_dtype(dtype, dev),
@@ -265,7 +263,7 @@ def stop_and_pad_ids(target: str) -> tuple[list[int], int]:
 def run_shard(backend, ds, jobs: list[Job], st: Settings, stop_ids: list[int], pad_id: int, shard: int,
               progress=None):
     """Regenerate one shard's jobs; returns a ``shared.prepare.ChunkResult`` with its samples, in job order."""
-    from shared.prepare import _result
+    from specring.shared.data.encode import _result
     rows: dict[int, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
     # plain text: all prompts of the shard in one generate call
     plain = [(j, s, e) for j in jobs for s, e in j.prompts]
@@ -319,7 +317,7 @@ def _shard_path(parts: Path, k: int) -> Path:
 def _worker(device: str, backend_name: str, st: Settings, shards: list[int], parts: str, queue) -> None:
     """One device's process: regenerate ``shards`` (indices) and write each as it finishes."""
     try:
-        from shared.data import TokenDataset
+        from specring.shared.data.dataset import TokenDataset
         ds = TokenDataset(st.input)
         jobs_by_shard = shard_jobs(ds, st)[0]
         stop_ids, pad_id = stop_and_pad_ids(st.target)
@@ -336,7 +334,7 @@ def _worker(device: str, backend_name: str, st: Settings, shards: list[int], par
 
 def write_shard(parts: Path, k: int, res) -> None:
     """Write one finished shard atomically (``ArrowSink`` renames at commit)."""
-    from shared.prepare import ArrowSink
+    from specring.shared.data.writer import ArrowSink
     sink = ArrowSink(_shard_path(parts, k))
     sink.add(res)
     sink.commit({"shard": k})
@@ -367,7 +365,7 @@ _VOCAB: dict[str, int] = {}
 def target_vocab_size(target: str) -> int:
     """``vocab_size`` of the target's config (cached per path)."""
     if target not in _VOCAB:
-        from producers.target import check_checkpoint
+        from specring.shared.models.target import check_checkpoint
         _VOCAB[target] = int(check_checkpoint(target).vocab_size)
     return _VOCAB[target]
 
@@ -390,8 +388,9 @@ def check_manifest(parts: Path, st: Settings) -> None:
 
 def merge(parts: Path, num_shards: int, output: Path, st: Settings, meta: dict) -> dict:
     """Concatenate the shards (and the input with ``include_input``) into ``output``; returns the sidecar."""
-    from shared.data import TokenDataset
-    from shared.prepare import ArrowSink, _result
+    from specring.shared.data.dataset import TokenDataset
+    from specring.shared.data.encode import _result
+    from specring.shared.data.writer import ArrowSink
     sink = ArrowSink(output)
     try:
         generated = 0
@@ -452,7 +451,7 @@ def _devices(text: str) -> list[str]:
     out = [d.strip() for d in text.split(",") if d.strip()]
     if not out:
         raise ConfigError("--devices: give a device list such as cpu or cuda:0,cuda:1")
-    from producers.target import resolve_device
+    from specring.shared.models.target import resolve_device
     for d in out:
         resolve_device(d)
     return out
@@ -462,8 +461,9 @@ def main(argv: list[str]) -> int:
     """``launch.py regenerate``: 0 on success, 2 for a bad flag or input, 1 when a worker failed (its finished
     shards are kept: rerun the same command to resume)."""
     args = build_parser().parse_args(argv)
-    from shared.data import TokenDataset
     from tqdm import tqdm
+
+    from specring.shared.data.dataset import TokenDataset
     try:
         for flag in ("max_new_tokens", "prefix_len", "batch_size", "shard_size"):
             if getattr(args, flag) < 1:
@@ -473,7 +473,7 @@ def main(argv: list[str]) -> int:
                 raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 0, got {getattr(args, flag)}")
         if not np.isfinite(args.temperature) or args.temperature < 0:
             raise ConfigError(f"--temperature: must be a finite number >= 0, got {args.temperature}")
-        from producers.target import check_checkpoint
+        from specring.shared.models.target import check_checkpoint
         check_checkpoint(args.target)
         try:
             ds = TokenDataset(args.input)

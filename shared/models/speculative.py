@@ -1,4 +1,4 @@
-"""Acceptance length τ by real speculative decoding (greedy, block verify), and ``launch.py eval``.
+"""Speculative decoding with the target (greedy, block verify) and its acceptance length τ.
 
 Algorithm: DFlash block-verify decoding as in the public reference loop, z-lab/dflash ``dflash/model.py``
 (``dflash_generate``, called by ``DFlashDraftModel.spec_generate``), greedy branch; written here, not
@@ -41,13 +41,9 @@ the whole sequence, its last entry the anchor). ``DFlashProposer`` wraps a draft
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import inspect
-import json
 import logging
-import os
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,12 +52,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from consumer.dflash import DFlashConfig, DFlashDrafter, DraftCache, build_drafter
-from consumer.ngram import PromptLookupProposer
+from specring.shared.models.dflash import (
+    DFlashConfig,
+    DFlashDrafter,
+    DraftCache,
+    build_drafter,
+)
 
 logger = logging.getLogger(__name__)
-
-SLOW_EVAL_ENV = "SPECRING_SLOW_EVAL_S"  # tests and drills: seconds slept after each prompt of a checkpoint eval
 
 
 # ---------------------------------------------------------------------------------------------- proposers
@@ -236,7 +234,7 @@ def speculative_generate(target, proposer, prompt_ids: Sequence[int], max_new_to
     (DFlash convention, needed when ``proposer.needs_features``). The output equals
     ``greedy_generate(target, prompt_ids, max_new_tokens, stop_token_ids).tokens``.
     """
-    from producers.target import LayerCapture
+    from specring.shared.models.target import LayerCapture
 
     _check_args(prompt_ids, max_new_tokens)
     if block_size < 1:
@@ -354,75 +352,13 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
     return out
 
 
-# ---------------------------------------------------------------------------------------------- inputs
-class CheckpointEvaluator:
-    """τ of the live drafter at training checkpoints (``train --eval-prompts N``), rank 0 of the consumers.
-
-    The target is loaded into the consumer process by ``load()`` (the consumer calls it at start-up, so a
-    long load is not mistaken for a hang mid-run; ``__call__`` loads it if nobody did) on the consumer's
-    device in the producers' dtype (``random_weights`` honoured) and kept; prompts are the first ``prompt_len`` tokens of
-    ``num_prompts`` held-out samples. Each evaluation appends ``{"step", "tau_mean", "tau_p50", "tau_p90",
-    "forwards_per_token", "loss", "time"}`` to ``RUN_DIR/eval.jsonl`` and logs ``tau step=... tau=...``.
-    Costs one extra copy of the target's weights on the consumer's device.
-
-    ``$SPECRING_SLOW_EVAL_S`` (tests and drills only) sleeps that many seconds after each prompt.
-    """
-
-    def __init__(self, run_cfg, device: torch.device, run_dir: str | Path, prompt_len: int = 64):
-        self.cfg = run_cfg
-        self.device = device
-        self.path = Path(run_dir) / "eval.jsonl"
-        self.prompt_len = prompt_len
-        self.target = None
-        self.prompts: list[list[int]] = []
-
-    def load(self) -> None:
-        """Load the target and the prompts (once); raises ``ConfigError`` if the target does not load."""
-        from producers.target import load_target
-        tc, pc = self.cfg.trainer, self.cfg.producer
-        if self.target is None:
-            self.target, _ = load_target(pc.target, self.device, pc.dtype, random_weights=pc.random_weights)
-            self.prompts = load_prompts(self.cfg.data.heldout, tc.eval_prompts, self.prompt_len)
-
-    def __call__(self, drafter: DFlashDrafter, step: int, loss: float | None,
-                 on_prompt: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-        """Evaluate ``drafter`` at optimizer step ``step``; returns the record appended to ``eval.jsonl``.
-        ``on_prompt(done, total)`` is called after each prompt."""
-        tc, pc = self.cfg.trainer, self.cfg.producer
-        self.load()
-        slow_s = float(os.environ.get(SLOW_EVAL_ENV) or 0)
-
-        def after_prompt(done: int, total: int) -> None:
-            if slow_s > 0:
-                time.sleep(slow_s)
-            if on_prompt is not None:
-                on_prompt(done, total)
-
-        t0 = time.perf_counter()
-        # decoding shapes differ from training's: run the compiled draft layers eagerly instead of compiling
-        # new graphs in the middle of a run
-        stance = getattr(torch.compiler, "set_stance", None)
-        with stance("force_eager") if stance is not None else contextlib.nullcontext():
-            r = evaluate_tau(self.target, drafter, self.prompts, tc.eval_max_new_tokens, pc.target_layer_ids,
-                             on_prompt=after_prompt)
-        rec = {"step": int(step), "tau_mean": r["tau_mean"], "tau_p50": r["tau_p50"], "tau_p90": r["tau_p90"],
-               "forwards_per_token": r["forwards_per_token"], "loss": loss, "prompts": len(self.prompts),
-               "eval_s": round(time.perf_counter() - t0, 2), "time": time.time()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        logger.info("tau step=%d tau=%.3f p50=%s p90=%s forwards_per_token=%.3f loss=%s prompts=%d eval_s=%.1f",
-                    step, rec["tau_mean"], rec["tau_p50"], rec["tau_p90"], rec["forwards_per_token"],
-                    "-" if loss is None else f"{loss:.3f}", len(self.prompts), rec["eval_s"])
-        return rec
-
-
 def load_prompts(path: str | Path, num_prompts: int, prompt_len: int) -> list[list[int]]:
     """The first ``prompt_len`` tokens of ``num_prompts`` held-out samples, spread evenly over the file.
 
     Only samples with more than ``prompt_len`` tokens are used (a continuation exists). Raises
     ``ValueError`` naming the file when none is long enough; logs when fewer than asked are available.
     """
-    from shared.data import TokenDataset
+    from specring.shared.data.dataset import TokenDataset
 
     if num_prompts < 1 or prompt_len < 1:
         raise ValueError(f"num_prompts and prompt_len must be >= 1, got {num_prompts} and {prompt_len}")
@@ -436,18 +372,6 @@ def load_prompts(path: str | Path, num_prompts: int, prompt_len: int) -> list[li
     n = min(num_prompts, int(eligible.size))
     picks = [int(eligible[(i * eligible.size) // n]) for i in range(n)]
     return [ds[i][0][:prompt_len].astype(np.int64).tolist() for i in picks]
-
-
-def target_of_checkpoint(step_dir: str | Path) -> Path | None:
-    """The target a checkpoint was trained against, from ``run_dir/config.json`` (``producer.target``) of
-    the run that holds ``run_dir/checkpoints/step-*/``; None when it is not recorded."""
-    run_dir = Path(step_dir).resolve().parent.parent
-    cfg_path = run_dir / "config.json"
-    try:
-        target = json.loads(cfg_path.read_text())["producer"]["target"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return Path(target) if target else None
 
 
 def untrained_drafter(dcfg: DFlashConfig, target_dir: str | Path, device, dtype: torch.dtype,
@@ -466,178 +390,3 @@ def check_same_head(drafter: DFlashDrafter, target) -> None:
     if mine.shape != theirs.shape or not torch.equal(mine, theirs.to(mine.dtype)):
         raise ValueError("the drafter's embed_tokens differ from the target's: it was trained for another "
                          "target (pass the right --target)")
-
-
-# ---------------------------------------------------------------------------------------------- command line
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py eval", description=(
-        "Acceptance length tau by real greedy block-verify speculative decoding with the target, next to "
-        "the baselines (untrained drafter, prompt lookup) and checked lossless against greedy decoding."))
-    p.add_argument("--target", help="target checkpoint directory (default: the run's target, else "
-                                    "assets/tiny-code-lm)")
-    p.add_argument("--drafter", default="none", help="checkpoint step directory or run directory (its latest "
-                                                     "checkpoint); 'none' = baselines only")
-    p.add_argument("--data", nargs="+", help="held-out Arrow file(s) from `launch.py prepare` "
-                                             "(default: data/demo/heldout.arrow, built when missing)")
-    p.add_argument("--num-prompts", type=int, default=24, help="prompts per dataset (default 24)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt = first N tokens of a sample (default 256)")
-    p.add_argument("--block-size", type=int, help="verify block size B (default: the drafter's, else 16)")
-    p.add_argument("--baselines-only", action="store_true", help="evaluate only the baselines")
-    p.add_argument("--no-baselines", action="store_true", help="skip the untrained-drafter and prompt-lookup rows")
-    p.add_argument("--baselines", default="untrained,prompt-lookup",
-                   help="comma list of baseline rows: untrained, prompt-lookup (default both)")
-    p.add_argument("--no-lossless-check", action="store_true", help="skip the greedy reference decode")
-    p.add_argument("--ngram-max", type=int, default=3, help="longest n-gram of the prompt-lookup baseline")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS token")
-    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed of the untrained drafter")
-    p.add_argument("--output-json", help="write every figure to this JSON file")
-    return p
-
-
-def configure_cli_logging(prefix: str) -> None:
-    """The project's log format for a command that starts no children (``shared.procs.configure_logging``
-    when importable; it pulls in pyzmq, which a machine that only evaluates may lack)."""
-    try:
-        from shared.procs import configure_logging
-    except ImportError:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True, datefmt="%H:%M:%S",
-                            format=f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s")
-        return
-    configure_logging(prefix)
-
-
-def _stop_ids(hf_config) -> list[int]:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
-def run_eval(args: argparse.Namespace) -> dict[str, Any]:
-    """Everything ``main`` computes, as the JSON it writes (``rows``: one dict per dataset x drafter)."""
-    from consumer import checkpoint as ckpt
-    from producers.target import load_target
-    from shared.config import DEFAULT_TARGET
-    from shared.errors import ConfigError
-
-    for flag, v in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
-                    ("--prompt-len", args.prompt_len)):
-        if v < 1:
-            raise ConfigError(f"{flag}: must be >= 1, got {v}")
-    use_drafter = not args.baselines_only and str(args.drafter).lower() not in ("none", "")
-    step_dir = ckpt.resolve_checkpoint(args.drafter) if use_drafter else None
-    target_dir = Path(args.target or (step_dir and target_of_checkpoint(step_dir)) or DEFAULT_TARGET)
-    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
-        "cpu" if args.device == "auto" else args.device)
-    target, hf_config = load_target(target_dir, device, args.dtype)
-    dtype = next(target.parameters()).dtype
-    if step_dir is not None:
-        drafter = ckpt.load_drafter(step_dir, device=device, dtype=dtype)
-        check_same_head(drafter, target)
-        dcfg = drafter.config
-    else:
-        drafter = None
-        dcfg = DFlashConfig.from_target(target_dir, None, block_size=args.block_size or 16)
-    bsz = int(args.block_size or dcfg.block_size)
-    if bsz < 2:
-        raise ConfigError(f"--block-size: must be >= 2, got {bsz}")
-    rows_spec: list[tuple[str, Any]] = []
-    if drafter is not None:
-        rows_spec.append((f"dflash {step_dir.name}", DFlashProposer(drafter, bsz)))
-    baselines = {b.strip() for b in args.baselines.split(",") if b.strip()}
-    if baselines - {"untrained", "prompt-lookup"}:
-        raise ConfigError(f"--baselines: unknown {sorted(baselines - {'untrained', 'prompt-lookup'})} "
-                          "(known: untrained, prompt-lookup)")
-    if not args.no_baselines or drafter is None:
-        if "untrained" in baselines:
-            rows_spec.append(("dflash untrained", DFlashProposer(untrained_drafter(dcfg, target_dir, device, dtype,
-                                                                                   args.seed), bsz)))
-        if "prompt-lookup" in baselines:
-            rows_spec.append((f"prompt-lookup (n<={args.ngram_max})", PromptLookupProposer(args.ngram_max)))
-    stop = [] if args.ignore_eos else _stop_ids(hf_config)
-    data = [Path(d) for d in args.data] if args.data else None
-    if data is None:
-        from shared.prepare import ensure_demo
-        data = [ensure_demo()[1]]
-    greedy_generate(target, [0, 1, 2, 3], 4)  # warm-up: keep one-time costs out of tokens/s
-    rows = []
-    for path in data:
-        prompts = load_prompts(path, args.num_prompts, args.prompt_len)
-        ref, greedy_rate = None, None
-        if not args.no_lossless_check:
-            ref = [greedy_generate(target, p, args.max_new_tokens, stop)
-                   for p in _progress(prompts, f"{path.stem}: target greedy")]
-            rows.append({"dataset": path.stem, "drafter": "target greedy (reference)", **summarize(ref, bsz),
-                         "speedup": 1.0})
-            greedy_rate = rows[-1]["tokens_per_s"]
-        for name, proposer in rows_spec:
-            res = [speculative_generate(target, proposer, p, args.max_new_tokens, bsz, dcfg.target_layer_ids, stop)
-                   for p in _progress(prompts, f"{path.stem}: {name}")]
-            row = {"dataset": path.stem, "drafter": name, **summarize(res, bsz)}
-            if ref is not None:
-                row["lossless_mismatches"] = sum(r.tokens != g.tokens for r, g in zip(res, ref))
-                row["speedup"] = row["tokens_per_s"] / greedy_rate if greedy_rate and row["tokens_per_s"] else None
-            rows.append(row)
-            logger.info("eval dataset=%s drafter=%r tau_mean=%s", path.stem, name, row["tau_mean"])
-    return {"target": str(target_dir), "drafter": str(step_dir) if step_dir else None, "device": device,
-            "dtype": str(dtype).replace("torch.", ""), "block_size": bsz, "num_prompts": args.num_prompts,
-            "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "stop_token_ids": stop,
-            "target_layer_ids": dcfg.target_layer_ids, "rows": rows}
-
-
-def _progress(items: list, desc: str):
-    """A tqdm bar over ``items`` (one tick per prompt) on stderr."""
-    from tqdm import tqdm
-    return tqdm(items, desc=desc, unit="prompt", file=sys.stderr, leave=False, dynamic_ncols=True)
-
-
-def format_table(report: dict[str, Any]) -> str:
-    """The report's rows as a fixed-width table."""
-    def f(v, spec):
-        return "-" if v is None else format(v, spec)
-
-    head = (f"{'dataset':<12} {'drafter':<30} {'prompts':>7} {'tau mean':>8} {'p50':>5} {'p90':>5} "
-            f"{'fwd/tok':>7} {'tok/s':>8} {'speedup':>7} {'lossless':>8}")
-    lines = [head, "-" * len(head)]
-    for r in report["rows"]:
-        mism = r.get("lossless_mismatches")
-        lossless = "-" if mism is None else ("yes" if mism == 0 else f"NO ({mism})")
-        lines.append(f"{r['dataset'][:12]:<12} {r['drafter'][:30]:<30} {r['num_prompts']:>7} "
-                     f"{f(r['tau_mean'], '.3f'):>8} {f(r['tau_p50'], '.1f'):>5} {f(r['tau_p90'], '.1f'):>5} "
-                     f"{f(r['forwards_per_token'], '.3f'):>7} {f(r['tokens_per_s'], '.1f'):>8} "
-                     f"{f(r.get('speedup'), '.2f'):>7} {lossless:>8}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``launch.py eval``: print the τ table (and write ``--output-json``). Exit code 0; 2 for a bad flag
-    or input; 1 when, in float32, a speculative output differed from greedy decoding (a bug: decoding is
-    lossless). In bfloat16/float16 that is only a warning: the verify forward over ``k + 1`` tokens and the
-    one-token greedy step round differently, so a near-tie of the two best logits can flip."""
-    from shared.errors import ConfigError
-
-    args = build_parser().parse_args(argv)
-    configure_cli_logging("eval")
-    try:
-        report = run_eval(args)
-    except (ConfigError, ValueError, FileNotFoundError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"target {report['target']}  drafter {report['drafter'] or 'none'}  B={report['block_size']}  "
-          f"prompt {report['prompt_len']} tokens, {report['max_new_tokens']} new, {report['device']} "
-          f"{report['dtype']}")
-    print(format_table(report))
-    if args.output_json:
-        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output_json).write_text(json.dumps(report, indent=1) + "\n")
-    bad = [r["drafter"] for r in report["rows"] if r.get("lossless_mismatches")]
-    if bad and report["dtype"] == "float32":
-        print(f"error: speculative output differs from greedy decoding for {bad}", file=sys.stderr)
-        return 1
-    if bad:  # 16-bit: a (k+1)-token verify and a 1-token step round differently; a near-tie can flip
-        print(f"warning: speculative output differs from greedy decoding for {bad} in {report['dtype']}; "
-              "rerun with --dtype float32 to tell a numerical near-tie from a bug", file=sys.stderr)
-    return 0

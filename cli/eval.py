@@ -1,0 +1,218 @@
+"""``launch.py eval``: τ of a checkpoint or export beside the baselines, by real speculative decoding.
+
+The table rows: plain greedy decoding (the reference, and the lossless check), the drafter, and the
+baselines (an untrained drafter, prompt lookup), on held-out prompts; see docs/evaluation.md for the
+standard setting and ``specring.shared.models.speculative`` for what is counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specring.shared.models.dflash import DFlashConfig
+from specring.shared.models.ngram import PromptLookupProposer
+from specring.shared.models.speculative import (
+    DFlashProposer,
+    check_same_head,
+    greedy_generate,
+    load_prompts,
+    speculative_generate,
+    summarize,
+    untrained_drafter,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def target_of_checkpoint(step_dir: str | Path) -> Path | None:
+    """The target a checkpoint was trained against, from ``run_dir/config.json`` (``producer.target``) of
+    the run that holds ``run_dir/checkpoints/step-*/``; None when it is not recorded."""
+    run_dir = Path(step_dir).resolve().parent.parent
+    cfg_path = run_dir / "config.json"
+    try:
+        target = json.loads(cfg_path.read_text())["producer"]["target"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Path(target) if target else None
+
+
+# ---------------------------------------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="launch.py eval", description=(
+        "Acceptance length tau by real greedy block-verify speculative decoding with the target, next to "
+        "the baselines (untrained drafter, prompt lookup) and checked lossless against greedy decoding."))
+    p.add_argument("--target", help="target checkpoint directory (default: the run's target, else "
+                                    "assets/tiny-code-lm)")
+    p.add_argument("--drafter", default="none", help="checkpoint step directory or run directory (its latest "
+                                                     "checkpoint); 'none' = baselines only")
+    p.add_argument("--data", nargs="+", help="held-out Arrow file(s) from `launch.py prepare` "
+                                             "(default: data/demo/heldout.arrow, built when missing)")
+    p.add_argument("--num-prompts", type=int, default=24, help="prompts per dataset (default 24)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt = first N tokens of a sample (default 256)")
+    p.add_argument("--block-size", type=int, help="verify block size B (default: the drafter's, else 16)")
+    p.add_argument("--baselines-only", action="store_true", help="evaluate only the baselines")
+    p.add_argument("--no-baselines", action="store_true", help="skip the untrained-drafter and prompt-lookup rows")
+    p.add_argument("--baselines", default="untrained,prompt-lookup",
+                   help="comma list of baseline rows: untrained, prompt-lookup (default both)")
+    p.add_argument("--no-lossless-check", action="store_true", help="skip the greedy reference decode")
+    p.add_argument("--ngram-max", type=int, default=3, help="longest n-gram of the prompt-lookup baseline")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS token")
+    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32")
+    p.add_argument("--seed", type=int, default=0, help="initialisation seed of the untrained drafter")
+    p.add_argument("--output-json", help="write every figure to this JSON file")
+    return p
+
+
+def configure_cli_logging(prefix: str) -> None:
+    """The project's log format for a command that starts no children (``shared.procs.configure_logging``
+    when importable; it pulls in pyzmq, which a machine that only evaluates may lack)."""
+    try:
+        from specring.shared.procs import configure_logging
+    except ImportError:
+        logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True, datefmt="%H:%M:%S",
+                            format=f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s")
+        return
+    configure_logging(prefix)
+
+
+def _stop_ids(hf_config) -> list[int]:
+    eos = getattr(hf_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def run_eval(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything ``main`` computes, as the JSON it writes (``rows``: one dict per dataset x drafter)."""
+    from specring.shared import checkpoint as ckpt
+    from specring.shared.config import DEFAULT_TARGET
+    from specring.shared.errors import ConfigError
+    from specring.shared.models.target import load_target
+
+    for flag, v in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
+                    ("--prompt-len", args.prompt_len)):
+        if v < 1:
+            raise ConfigError(f"{flag}: must be >= 1, got {v}")
+    use_drafter = not args.baselines_only and str(args.drafter).lower() not in ("none", "")
+    step_dir = ckpt.resolve_checkpoint(args.drafter) if use_drafter else None
+    target_dir = Path(args.target or (step_dir and target_of_checkpoint(step_dir)) or DEFAULT_TARGET)
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
+        "cpu" if args.device == "auto" else args.device)
+    target, hf_config = load_target(target_dir, device, args.dtype)
+    dtype = next(target.parameters()).dtype
+    if step_dir is not None:
+        drafter = ckpt.load_drafter(step_dir, device=device, dtype=dtype)
+        check_same_head(drafter, target)
+        dcfg = drafter.config
+    else:
+        drafter = None
+        dcfg = DFlashConfig.from_target(target_dir, None, block_size=args.block_size or 16)
+    bsz = int(args.block_size or dcfg.block_size)
+    if bsz < 2:
+        raise ConfigError(f"--block-size: must be >= 2, got {bsz}")
+    rows_spec: list[tuple[str, Any]] = []
+    if drafter is not None:
+        rows_spec.append((f"dflash {step_dir.name}", DFlashProposer(drafter, bsz)))
+    baselines = {b.strip() for b in args.baselines.split(",") if b.strip()}
+    if baselines - {"untrained", "prompt-lookup"}:
+        raise ConfigError(f"--baselines: unknown {sorted(baselines - {'untrained', 'prompt-lookup'})} "
+                          "(known: untrained, prompt-lookup)")
+    if not args.no_baselines or drafter is None:
+        if "untrained" in baselines:
+            rows_spec.append(("dflash untrained", DFlashProposer(untrained_drafter(dcfg, target_dir, device, dtype,
+                                                                                   args.seed), bsz)))
+        if "prompt-lookup" in baselines:
+            rows_spec.append((f"prompt-lookup (n<={args.ngram_max})", PromptLookupProposer(args.ngram_max)))
+    stop = [] if args.ignore_eos else _stop_ids(hf_config)
+    data = [Path(d) for d in args.data] if args.data else None
+    if data is None:
+        from specring.shared.data.demo import ensure_demo
+        data = [ensure_demo()[1]]
+    greedy_generate(target, [0, 1, 2, 3], 4)  # warm-up: keep one-time costs out of tokens/s
+    rows = []
+    for path in data:
+        prompts = load_prompts(path, args.num_prompts, args.prompt_len)
+        ref, greedy_rate = None, None
+        if not args.no_lossless_check:
+            ref = [greedy_generate(target, p, args.max_new_tokens, stop)
+                   for p in _progress(prompts, f"{path.stem}: target greedy")]
+            rows.append({"dataset": path.stem, "drafter": "target greedy (reference)", **summarize(ref, bsz),
+                         "speedup": 1.0})
+            greedy_rate = rows[-1]["tokens_per_s"]
+        for name, proposer in rows_spec:
+            res = [speculative_generate(target, proposer, p, args.max_new_tokens, bsz, dcfg.target_layer_ids, stop)
+                   for p in _progress(prompts, f"{path.stem}: {name}")]
+            row = {"dataset": path.stem, "drafter": name, **summarize(res, bsz)}
+            if ref is not None:
+                row["lossless_mismatches"] = sum(r.tokens != g.tokens for r, g in zip(res, ref))
+                row["speedup"] = row["tokens_per_s"] / greedy_rate if greedy_rate and row["tokens_per_s"] else None
+            rows.append(row)
+            logger.info("eval dataset=%s drafter=%r tau_mean=%s", path.stem, name, row["tau_mean"])
+    return {"target": str(target_dir), "drafter": str(step_dir) if step_dir else None, "device": device,
+            "dtype": str(dtype).replace("torch.", ""), "block_size": bsz, "num_prompts": args.num_prompts,
+            "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "stop_token_ids": stop,
+            "target_layer_ids": dcfg.target_layer_ids, "rows": rows}
+
+
+def _progress(items: list, desc: str):
+    """A tqdm bar over ``items`` (one tick per prompt) on stderr."""
+    from tqdm import tqdm
+    return tqdm(items, desc=desc, unit="prompt", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report's rows as a fixed-width table."""
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    head = (f"{'dataset':<12} {'drafter':<30} {'prompts':>7} {'tau mean':>8} {'p50':>5} {'p90':>5} "
+            f"{'fwd/tok':>7} {'tok/s':>8} {'speedup':>7} {'lossless':>8}")
+    lines = [head, "-" * len(head)]
+    for r in report["rows"]:
+        mism = r.get("lossless_mismatches")
+        lossless = "-" if mism is None else ("yes" if mism == 0 else f"NO ({mism})")
+        lines.append(f"{r['dataset'][:12]:<12} {r['drafter'][:30]:<30} {r['num_prompts']:>7} "
+                     f"{f(r['tau_mean'], '.3f'):>8} {f(r['tau_p50'], '.1f'):>5} {f(r['tau_p90'], '.1f'):>5} "
+                     f"{f(r['forwards_per_token'], '.3f'):>7} {f(r['tokens_per_s'], '.1f'):>8} "
+                     f"{f(r.get('speedup'), '.2f'):>7} {lossless:>8}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``launch.py eval``: print the τ table (and write ``--output-json``). Exit code 0; 2 for a bad flag
+    or input; 1 when, in float32, a speculative output differed from greedy decoding (a bug: decoding is
+    lossless). In bfloat16/float16 that is only a warning: the verify forward over ``k + 1`` tokens and the
+    one-token greedy step round differently, so a near-tie of the two best logits can flip."""
+    from specring.shared.errors import ConfigError
+
+    args = build_parser().parse_args(argv)
+    configure_cli_logging("eval")
+    try:
+        report = run_eval(args)
+    except (ConfigError, ValueError, FileNotFoundError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"target {report['target']}  drafter {report['drafter'] or 'none'}  B={report['block_size']}  "
+          f"prompt {report['prompt_len']} tokens, {report['max_new_tokens']} new, {report['device']} "
+          f"{report['dtype']}")
+    print(format_table(report))
+    if args.output_json:
+        Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output_json).write_text(json.dumps(report, indent=1) + "\n")
+    bad = [r["drafter"] for r in report["rows"] if r.get("lossless_mismatches")]
+    if bad and report["dtype"] == "float32":
+        print(f"error: speculative output differs from greedy decoding for {bad}", file=sys.stderr)
+        return 1
+    if bad:  # 16-bit: a (k+1)-token verify and a 1-token step round differently; a near-tie can flip
+        print(f"warning: speculative output differs from greedy decoding for {bad} in {report['dtype']}; "
+              "rerun with --dtype float32 to tell a numerical near-tie from a bug", file=sys.stderr)
+    return 0

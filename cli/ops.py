@@ -1,0 +1,142 @@
+"""Commands that talk to a run: ``status`` (one line per process), ``restart`` (a producer, gracefully),
+``clean`` (what dead runs left behind), and ``bench`` (a script of ``benchmarks/``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from specring.shared import paths
+from specring.shared.config import finite_number
+from specring.shared.errors import ConfigError, PeerTimeout
+from specring.supervisor.resume import latest_link
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _address(run_dir: str) -> str:
+    from specring.shared.procs import Topology
+    p = Path(run_dir) / "topology.json"
+    if not p.is_file():
+        raise ConfigError(f"--run-dir: {run_dir} has no topology.json (no run was started there)")
+    return Topology.load(run_dir).address
+
+
+def status_main(argv: list[str]) -> int:
+    """``launch.py status --run-dir R``: one line per process from the running supervisor."""
+    ap = argparse.ArgumentParser(prog="launch.py status")
+    ap.add_argument("--run-dir", default=str(latest_link()), help="the run to ask (default: runs/latest)")
+    ap.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    args = ap.parse_args(argv)
+    from specring.shared.transport import channel
+    from specring.shared.transport import messages as m
+    from specring.supervisor.resume import supervisor_alive
+    if (Path(args.run_dir) / "topology.json").is_file() and supervisor_alive(Path(args.run_dir)) is None:
+        summary = Path(args.run_dir) / "summary.json"
+        print(f"no run is going in {args.run_dir} (its supervisor has exited)"
+              + (f"; see {summary}" if summary.is_file() else ""), file=sys.stderr)
+        return 1
+    try:
+        reply = channel.request(_address(args.run_dir), m.Command(action="status"), timeout_s=5.0)
+    except (ConfigError, PeerTimeout) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    d = reply.data
+    if args.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    print(f"run {d['run_id']}  step {d['step']}  trained {d['trained']}/{d['planned']} batches  loss {_fmt(d['loss'])}")
+    print(f"{'process':<12}{'pid':>8}{'gen':>5} {'state':<9}{'hb_age':>7}{'tok/s':>10}{'cpu%':>7}{'rss_MiB':>9}"
+          f"{'gpu_MiB':>9}{'restarts':>9}  {'ring F/W/R/r':<13} busy with")
+    for r in d["rows"]:
+        ring = r.get("ring")
+        ring_s = "{FREE}/{WRITING}/{READY}/{READING}".format(**ring) if ring else ""
+        print(f"{r['role'] + '-' + str(r['index']):<12}{r['pid'] or '-':>8}{r['generation']:>5} {r['state']:<9}"
+              f"{_num(r.get('heartbeat_age_s'), '.1f'):>7}{_num(r.get('tokens_per_s'), ',.0f'):>10}"
+              f"{_num(r.get('cpu_percent'), '.0f'):>7}{_num(_mib(r.get('rss_bytes')), '.0f'):>9}"
+              f"{_num(_mib(r.get('gpu_mem_bytes')), '.0f'):>9}{r['restarts']:>9}  {ring_s:<13} {_work(r)}")
+    return 0
+
+
+def _work(row: dict) -> str:
+    """``batch 17 for 3.2s`` (what the child's main thread is on, from its last heartbeat), ``-`` when idle."""
+    what, secs = row.get("work"), row.get("work_s")
+    return f"{what} for {secs:.1f}s" if what and isinstance(secs, (int, float)) else "-"
+
+
+def _mib(x):
+    return None if x is None else x / 2**20
+
+
+def _num(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def restart_main(argv: list[str]) -> int:
+    """``launch.py restart producer N --run-dir R``: graceful restart of one producer."""
+    ap = argparse.ArgumentParser(prog="launch.py restart", description="Gracefully restart one producer while "
+                                 "training goes on: it finishes its current batch, exits, and comes back as a new "
+                                 "generation; its published slots are still consumed.")
+    ap.add_argument("role", choices=["producer"], help="only producers can be restarted")
+    ap.add_argument("index", type=finite_number(int), help="producer index (the number after producer- in `launch.py status`)")
+    ap.add_argument("--run-dir", default=str(latest_link()), help="the run (default: runs/latest)")
+    args = ap.parse_args(argv)
+    if not 0 <= args.index < 2**16:
+        ap.error(f"argument index: no producer {args.index} (indices start at 0)")
+    from specring.shared.transport import channel
+    from specring.shared.transport import messages as m
+    try:
+        reply = channel.request(_address(args.run_dir), m.Command(action="restart", role=args.role, index=args.index))
+    except (ConfigError, PeerTimeout) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(reply.text, file=sys.stdout if reply.ok else sys.stderr)
+    return 0 if reply.ok else 1
+
+
+def clean_main(argv: list[str]) -> int:
+    """``launch.py clean``: remove segments, socket files and processes of runs whose supervisor is dead."""
+    ap = argparse.ArgumentParser(prog="launch.py clean")
+    ap.add_argument("--run-dir", action="append", default=[], help="also look in this run directory (repeatable)")
+    args = ap.parse_args(argv)
+    from specring.shared.procs import sweep_run_processes
+    from specring.shared.transport.ring import run_owned, sweep_stale
+    from specring.supervisor.resume import stale_sockets
+    for pid, run_id, cmd in sweep_run_processes(run_owned):
+        print(f"killed process {pid} of run {run_id} (its supervisor is gone): {cmd}")
+    removed = sweep_stale()
+    dirs = [Path(d) for d in args.run_dir] + sorted(paths.runs_dir().glob("*"))
+    socks = []
+    for d in dirs:
+        for sock in stale_sockets(d):
+            os.unlink(sock)
+            socks.append(str(sock))
+    for name in removed:
+        print(f"removed segment /dev/shm/{name}")
+    for s in socks:
+        print(f"removed socket {s}")
+    print(f"clean: {len(removed)} segment(s), {len(socks)} socket(s) removed")
+    return 0
+
+
+def bench_main(argv: list[str]) -> int:
+    """``launch.py bench [transport|producer] ARGS``: run a benchmark script from ``benchmarks/``."""
+    name = argv[0] if argv and not argv[0].startswith("-") else "transport"
+    rest = argv[1:] if argv and not argv[0].startswith("-") else argv
+    if not paths.BENCHMARKS_DIR.is_dir():
+        print("error: the benchmarks are scripts of a specring checkout (benchmarks/), not of the installed "
+              "package; clone the repository to run them", file=sys.stderr)
+        return 2
+    script = paths.BENCHMARKS_DIR / f"{name}.py"
+    if not script.is_file():
+        print(f"error: no benchmark {name!r} (have: {', '.join(p.stem for p in paths.BENCHMARKS_DIR.glob('*.py'))})",
+              file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *rest], cwd=paths.PACKAGE_ROOT)

@@ -1,0 +1,87 @@
+"""τ of the live drafter at training checkpoints: ``CheckpointEvaluator`` (rank 0 of the consumers).
+
+It decodes with ``specring.shared.models.speculative`` against its own copy of the target and appends a
+record per evaluation to ``RUN_DIR/eval.jsonl``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from specring.shared.models.dflash import DFlashDrafter
+from specring.shared.models.speculative import evaluate_tau, load_prompts
+
+logger = logging.getLogger(__name__)
+
+
+SLOW_EVAL_ENV = "SPECRING_SLOW_EVAL_S"  # tests and drills: seconds slept after each prompt of a checkpoint eval
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+class CheckpointEvaluator:
+    """τ of the live drafter at training checkpoints (``train --eval-prompts N``), rank 0 of the consumers.
+
+    The target is loaded into the consumer process by ``load()`` (the consumer calls it at start-up, so a
+    long load is not mistaken for a hang mid-run; ``__call__`` loads it if nobody did) on the consumer's
+    device in the producers' dtype (``random_weights`` honoured) and kept; prompts are the first ``prompt_len`` tokens of
+    ``num_prompts`` held-out samples. Each evaluation appends ``{"step", "tau_mean", "tau_p50", "tau_p90",
+    "forwards_per_token", "loss", "time"}`` to ``RUN_DIR/eval.jsonl`` and logs ``tau step=... tau=...``.
+    Costs one extra copy of the target's weights on the consumer's device.
+
+    ``$SPECRING_SLOW_EVAL_S`` (tests and drills only) sleeps that many seconds after each prompt.
+    """
+
+    def __init__(self, run_cfg, device: torch.device, run_dir: str | Path, prompt_len: int = 64):
+        self.cfg = run_cfg
+        self.device = device
+        self.path = Path(run_dir) / "eval.jsonl"
+        self.prompt_len = prompt_len
+        self.target = None
+        self.prompts: list[list[int]] = []
+
+    def load(self) -> None:
+        """Load the target and the prompts (once); raises ``ConfigError`` if the target does not load."""
+        from specring.shared.models.target import load_target
+        tc, pc = self.cfg.trainer, self.cfg.producer
+        if self.target is None:
+            self.target, _ = load_target(pc.target, self.device, pc.dtype, random_weights=pc.random_weights)
+            self.prompts = load_prompts(self.cfg.data.heldout, tc.eval_prompts, self.prompt_len)
+
+    def __call__(self, drafter: DFlashDrafter, step: int, loss: float | None,
+                 on_prompt: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+        """Evaluate ``drafter`` at optimizer step ``step``; returns the record appended to ``eval.jsonl``.
+        ``on_prompt(done, total)`` is called after each prompt."""
+        tc, pc = self.cfg.trainer, self.cfg.producer
+        self.load()
+        slow_s = float(os.environ.get(SLOW_EVAL_ENV) or 0)
+
+        def after_prompt(done: int, total: int) -> None:
+            if slow_s > 0:
+                time.sleep(slow_s)
+            if on_prompt is not None:
+                on_prompt(done, total)
+
+        t0 = time.perf_counter()
+        # decoding shapes differ from training's: run the compiled draft layers eagerly instead of compiling
+        # new graphs in the middle of a run
+        stance = getattr(torch.compiler, "set_stance", None)
+        with stance("force_eager") if stance is not None else contextlib.nullcontext():
+            r = evaluate_tau(self.target, drafter, self.prompts, tc.eval_max_new_tokens, pc.target_layer_ids,
+                             on_prompt=after_prompt)
+        rec = {"step": int(step), "tau_mean": r["tau_mean"], "tau_p50": r["tau_p50"], "tau_p90": r["tau_p90"],
+               "forwards_per_token": r["forwards_per_token"], "loss": loss, "prompts": len(self.prompts),
+               "eval_s": round(time.perf_counter() - t0, 2), "time": time.time()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        logger.info("tau step=%d tau=%.3f p50=%s p90=%s forwards_per_token=%.3f loss=%s prompts=%d eval_s=%.1f",
+                    step, rec["tau_mean"], rec["tau_p50"], rec["tau_p90"], rec["forwards_per_token"],
+                    "-" if loss is None else f"{loss:.3f}", len(self.prompts), rec["eval_s"])
+        return rec
