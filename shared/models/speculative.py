@@ -108,6 +108,50 @@ class DFlashProposer:
         return logits[1:].argmax(dim=-1).tolist()
 
 
+class Eagle3Proposer:
+    """Proposer over an ``Eagle3Drafter``: chain drafting (``eagle3_extend`` over the newly verified context, then
+    ``eagle3_chain``), keeping the step-0 cache of the verified context between verify steps.
+
+    ``num_draft_tokens`` bounds the tokens drafted per step (the verify block is ``num_draft_tokens + 1``).
+    Features of position ``p`` pair with the token at ``p + 1``, which is known once that token is verified, so
+    queued context is fed at the next ``propose``.
+    """
+
+    needs_features = True
+
+    def __init__(self, drafter, num_draft_tokens: int, name: str = "eagle3"):
+        self.drafter = drafter
+        self.num_draft_tokens = int(num_draft_tokens)
+        self.name = name
+        self.cache = None
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        self.cache = None
+        self._pending = []
+
+    def add_context(self, features: torch.Tensor | None, positions: torch.Tensor) -> None:
+        """Queue verified context: ``features [C, 3*Ht]`` of the tokens at ``positions [C] long``."""
+        if features is None:
+            raise ValueError("Eagle3Proposer.add_context: the drafter needs target features (got None)")
+        self._pending.append((features, positions))
+
+    @torch.no_grad()
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to ``k`` chained drafts after ``tokens`` (whose last entry is the anchor)."""
+        from specring.shared.models.eagle3 import eagle3_chain, eagle3_extend
+        k = min(int(k), self.num_draft_tokens)
+        if k <= 0 or not self._pending:
+            return []
+        feats = torch.cat([f for f, _ in self._pending])
+        pos = torch.cat([p for _, p in self._pending]).long()
+        self._pending = []
+        nxt = torch.tensor([tokens[int(i) + 1] for i in pos.tolist()], dtype=torch.long)
+        self.cache, out = eagle3_extend(self.drafter, self.cache, feats, nxt, pos)
+        drafts, _ = eagle3_chain(self.drafter, self.cache, out[-1], int(pos[-1]), k)
+        return drafts
+
+
 class NoDraftProposer:
     """Proposes nothing: speculative decoding degenerates to one token per target forward (τ = 1)."""
 

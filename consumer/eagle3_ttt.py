@@ -1,0 +1,102 @@
+"""EAGLE-3 training samples and loss from a packed batch: training-time test (TTT) over every position.
+
+Algorithm: EAGLE-3 training-time test as SpecForge ``specforge/core/eagle3.py`` and SafeAILab/EAGLE
+``eagle/traineagle3/cnets.py`` define it (see ``specring.shared.models.eagle3``); written here for packed
+batches (sequences back to back, ``cu_seqlens``), not copied.
+
+For every position ``t`` of a sequence ending at ``e`` and every step ``k < K``:
+
+* the drafter reads token ``x[t+1+k]`` (``ttt_inputs``) and predicts the token at ``t+2+k``;
+* the step counts (is *valid*) when ``t+2+k < e`` and ``loss_mask[t+2+k] == 1`` (the predicted token exists
+  and is a training token; SpecForge aligns the mask one token earlier, an artefact of its shifting);
+* its label is the target's own next token after ``t+1+k`` (``target_ids[t+1+k]``, label source ``target``)
+  or the data's token ``x[t+2+k]`` (label source ``data``); the loss is the soft cross-entropy against the
+  target's top-K distribution at ``t+1+k`` restricted to the draft vocabulary and renormalised (when the slot
+  carries ``target_topk_*``), else the cross-entropy against the label;
+* a valid step whose label is outside the draft vocabulary carries no loss (the references' ``pmask``) but
+  counts as a miss in the per-step accuracy;
+* step ``k``'s weight is ``decay**k``. Normalised, like DFlash's loss, by the sum of weights of the steps
+  that carry loss over the whole accumulation window (SpecForge divides by all positions instead).
+
+Statistics per step ``k``: correct/counted over valid steps; the acceptance proxy of a position is one plus
+its number of leading correct steps.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specring.shared.models.eagle3 import Eagle3Drafter, draft_to_target, target_to_draft
+
+
+def ttt_inputs(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, steps: int):
+    """Per-step inputs of a packed batch: ``(step_ids [K] of [T] long, pred_pos [K, T] long, inside [K, T] bool,
+    positions [T] long)``: the token each position reads at step ``k`` (``x[t+1+k]``; 0 where that runs past the
+    sequence), the packed position of the token step ``k`` predicts (``t+2+k``, clamped), whether it exists in
+    the same sequence, and each token's position inside its sequence."""
+    dev = input_ids.device
+    t = input_ids.shape[0]
+    cu = cu_seqlens.to(dev).long()
+    idx = torch.arange(t, device=dev)
+    seq = torch.searchsorted(cu[1:], idx, right=True)
+    end = cu[seq + 1]
+    positions = idx - cu[seq]
+    ids = input_ids.long()
+    step_ids, pred, inside = [], [], []
+    for k in range(steps):
+        read = idx + 1 + k
+        step_ids.append(torch.where(read < end, ids[read.clamp(max=t - 1)], torch.zeros_like(ids)))
+        p = idx + 2 + k
+        pred.append(p.clamp(max=t - 1))
+        inside.append(p < end)
+    return step_ids, torch.stack(pred), torch.stack(inside), positions
+
+
+def eagle3_loss(model: Eagle3Drafter, batch: dict[str, torch.Tensor], cu_cpu: torch.Tensor, label_source: str,
+                backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward (+ backward) of one micro-batch; returns ``(weighted_loss, weight_sum, correct [K], counted [K],
+    accept_sum, num_positions)`` (device tensors; the loss detached after backward).
+
+    ``batch``: ``hidden [T, 3*Ht]``, ``input_ids [T]``, ``loss_mask [T]`` and, for ``label_source="target"``,
+    ``target_ids [T]`` (optionally ``target_topk_ids``/``target_topk_logprobs [T, K']``), on the model's device.
+    """
+    cfg = model.config
+    ids, lm = batch["input_ids"].long(), batch["loss_mask"].bool()
+    step_ids, pred, inside, positions = ttt_inputs(ids, cu_cpu, cfg.ttt_steps)
+    outs = model.ttt_forward(step_ids, positions, cu_cpu, batch["hidden"])
+    d2t_full = draft_to_target(model.d2t)
+    t2d_index = target_to_draft(model.d2t, cfg.vocab_size)
+    topk = "target_topk_ids" in batch and label_source == "target"
+    total = torch.zeros((), dtype=torch.float32, device=ids.device)
+    weight_sum = torch.zeros((), dtype=torch.float32, device=ids.device)
+    hits = []
+    valids = []
+    for k, h in enumerate(outs):
+        valid = inside[k] & lm[pred[k]]
+        src = pred[k] - 1                                                   # the position whose next token is predicted
+        label = batch["target_ids"].long()[src] if label_source == "target" else ids[pred[k]]
+        draft_label = t2d_index[label]
+        carries = valid & (draft_label >= 0)
+        w = float(cfg.ttt_decay ** k)
+        logq = torch.log_softmax(model.logits(h).float(), dim=-1)          # [T, Vd]
+        if topk:
+            tk = t2d_index[batch["target_topk_ids"].long()[src]]            # [T, K'] draft ids or -1
+            lp = batch["target_topk_logprobs"].float()[src].masked_fill(tk < 0, float("-inf"))
+            p = torch.softmax(lp, dim=-1).nan_to_num(0.0)                  # renormalised over the draft vocabulary
+            ce = -(p * logq.gather(1, tk.clamp(min=0))).sum(-1)
+        else:
+            ce = F.nll_loss(logq, draft_label.clamp(min=0), reduction="none")
+        total = total + w * (ce * carries).sum()
+        weight_sum = weight_sum + w * carries.sum()
+        hits.append((d2t_full[logq.argmax(-1)] == label) & valid)
+        valids.append(valid)
+    if backward:
+        total.backward()
+        total = total.detach()
+    hit = torch.stack(hits, 1)                                              # [T, K]
+    val = torch.stack(valids, 1)
+    lead = torch.cumprod(hit.long(), dim=1).sum(1)
+    counted0 = val[:, 0]
+    return (total, weight_sum, hit.long().sum(0), val.long().sum(0), ((lead + 1).float() * counted0).sum(),
+            counted0.sum())
