@@ -53,12 +53,11 @@ from specring.consumer.blocks import (
     split_sequences,
     to_device,
 )
+from specring.consumer.eagle3_ttt import eagle3_loss
 from specring.shared import checkpoint as ckpt
 from specring.shared.config import RunConfig, TrainerConfig
 from specring.shared.errors import BadBatch
 from specring.shared.models.dflash import (
-    EMBED_KEY,
-    HEAD_KEY,
     DFlashConfig,
     DFlashDrafter,
 )
@@ -67,6 +66,7 @@ from specring.shared.models.draft_attention import (
     build_context_mask,
     build_flex_mask,
 )
+from specring.shared.models.eagle3 import Eagle3Config, Eagle3Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def anchor_seed(seed: int, batch_ids: list[int]) -> int:
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 
 
-def check_batch(batch: dict[str, torch.Tensor], dcfg: DFlashConfig, label_source: str = "data") -> int:
+def check_batch(batch: dict[str, torch.Tensor], dcfg: DFlashConfig | Eagle3Config, label_source: str = "data") -> int:
     """Validate a packed batch; return its token count ``T``. Raises ``BadBatch`` naming the field.
 
     The checks read ``cu_seqlens`` and ``input_ids`` on the host: free for the CPU tensors a consumer hands
@@ -113,10 +113,11 @@ def check_batch(batch: dict[str, torch.Tensor], dcfg: DFlashConfig, label_source
                               if k == "target_ids" else ""))
     hidden, ids, lm, cu = (batch[k] for k in BATCH_KEYS)
     t = ids.shape[0]
-    width = dcfg.num_target_layers * dcfg.hidden_size
+    feature = getattr(dcfg, "target_hidden_size", dcfg.hidden_size)  # the target's width (EAGLE-3 records it)
+    width = dcfg.num_target_layers * feature
     if hidden.dim() != 2 or hidden.shape != (t, width):
         raise BadBatch(f"batch: hidden has shape {tuple(hidden.shape)}, expected ({t}, {width}) "
-                       f"({dcfg.num_target_layers} layers x {dcfg.hidden_size})")
+                       f"({dcfg.num_target_layers} layers x {feature})")
     if ids.dim() != 1 or lm.shape != ids.shape:
         raise BadBatch(f"batch: input_ids {tuple(ids.shape)} and loss_mask {tuple(lm.shape)} must be equal 1-D")
     for k in TARGET_LABEL_KEYS:
@@ -155,13 +156,19 @@ class Trainer:
     means on CUDA: measured 1.8x the positions/s of the uncompiled flex form for the fixture drafter).
     """
 
-    def __init__(self, cfg: TrainerConfig, dcfg: DFlashConfig, target_dir: str | Path, device: str | torch.device,
-                 run_dir: str | Path, rank: int = 0, world_size: int = 1, process_group=None, *,
-                 total_steps: int | None = None, max_mask_elems: int = 2 ** 27, attention: str = "auto",
-                 write_metrics: bool = True, keep_last: int | None = None, compile_layers: bool | None = None):
-        if dcfg.block_size != cfg.block_size:
+    def __init__(self, cfg: TrainerConfig, dcfg: DFlashConfig | Eagle3Config, target_dir: str | Path,
+                 device: str | torch.device, run_dir: str | Path, rank: int = 0, world_size: int = 1,
+                 process_group=None, *, total_steps: int | None = None, max_mask_elems: int = 2 ** 27,
+                 attention: str = "auto", write_metrics: bool = True, keep_last: int | None = None,
+                 compile_layers: bool | None = None, draft_vocab: tuple[torch.Tensor, torch.Tensor] | None = None):
+        self.kind = "eagle3" if isinstance(dcfg, Eagle3Config) else "dflash"
+        if self.kind == "dflash" and dcfg.block_size != cfg.block_size:
             raise ValueError(f"block_size: trainer {cfg.block_size} != drafter config {dcfg.block_size}")
+        if self.kind == "eagle3" and draft_vocab is None:
+            raise ValueError("draft_vocab: an EAGLE-3 trainer needs the run's draft vocabulary (d2t, t2d)")
         self.cfg, self.dcfg = cfg, dcfg
+        # statistics per draft position: DFlash block slots, or EAGLE-3 TTT steps
+        self.num_slots = cfg.block_size if self.kind == "dflash" else dcfg.ttt_steps
         self.device = torch.device(device)
         self.run_dir = Path(run_dir)
         self.rank, self.world_size, self.pg = rank, world_size, process_group
@@ -180,14 +187,18 @@ class Trainer:
         self.target_dir = Path(target_dir)
 
         torch.manual_seed(cfg.seed)
-        self.model: DFlashDrafter = DFlashDrafter(dcfg)  # initialised on the CPU: same weights everywhere
+        if self.kind == "dflash":  # initialised on the CPU: the same weights on every rank and device
+            self.model = DFlashDrafter(dcfg)
+        else:
+            self.model = Eagle3Drafter(dcfg)
+            self.model.set_draft_vocab(*draft_vocab)
         self.model.load_target_head(target_dir)
         self.model.to(self.device).train()
         if compile_layers is None:
             compile_layers = self.device.type == "cuda" if cfg.compile is None else cfg.compile
         self.compiled = bool(compile_layers)
         if self.compiled:
-            for layer in self.model.layers:  # in place: parameter names (checkpoints, exports) are unchanged
+            for layer in (self.model.layers if self.kind == "dflash" else [self.model.midlayer]):  # in place: parameter names (checkpoints, exports) are unchanged
                 layer.compile(dynamic=True)  # one graph for every batch shape: no recompile mid-run
         self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
         decay = [p for p in self.params if p.dim() >= 2]
@@ -222,8 +233,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ one micro-batch
     def _reset_window(self) -> None:
-        b = self.cfg.block_size
-        # [weighted_ce, weight_sum, accept_sum, num_blocks, num_tokens, nonfinite, correct[B], counted[B]]
+        b = self.num_slots
+        # [weighted_ce, weight_sum, accept_sum, num_blocks, num_tokens, nonfinite, correct[S], counted[S]]
+        # (S: DFlash block slots, or EAGLE-3 TTT steps; "blocks" are EAGLE-3 positions)
         self._stats = torch.zeros(6 + 2 * b, dtype=torch.float64, device=self.device)
         self._window_ids: list[int] = []
         self._window_t0: float | None = None
@@ -238,6 +250,8 @@ class Trainer:
         the optimizer step reads them.
         """
         t = batch["input_ids"].shape[0] if checked else check_batch(batch, self.dcfg, self.cfg.label_source)
+        if self.kind == "eagle3":
+            return self._forward_backward_eagle3(batch, t, backward)
         b = self.cfg.block_size
         dev = self.device
         hidden = to_device(batch["hidden"], dev)
@@ -336,6 +350,28 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _forward_backward_eagle3(self, batch: dict[str, torch.Tensor], t: int, backward: bool) -> torch.Tensor:
+        """EAGLE-3: training-time test over every position (``consumer.eagle3_ttt.eagle3_loss``)."""
+        dev = self.device
+        cu_cpu = batch["cu_seqlens"].detach().cpu().long()
+        on_dev = {k: to_device(batch[k], dev) for k in ("hidden", "input_ids", "loss_mask", *TARGET_LABEL_KEYS)
+                  if k in batch}
+        stats = torch.zeros_like(self._stats)
+        stats[4] = t
+        with self.autocast:
+            loss, wsum, correct, counted, accept, npos = eagle3_loss(self.model, on_dev, cu_cpu, self.cfg.label_source,
+                                                                     backward)
+        finite = torch.isfinite(loss)
+        k = self.num_slots
+        stats[0] += torch.where(finite, loss, 0.0).double()
+        stats[1] += wsum.double()
+        stats[2] += accept.double()
+        stats[3] += npos.double()
+        stats[5] += (~finite).double()
+        stats[6:6 + k] += correct.double()
+        stats[6 + k:] += counted.double()
+        return stats
 
     # ------------------------------------------------------------------ public step
     def step(self, batch: dict[str, torch.Tensor], batch_ids: list[int], checked: bool = False) -> dict[str, Any]:
@@ -440,13 +476,15 @@ class Trainer:
         return [int(x) for part in out for x in part]
 
     def _metrics(self, stats: torch.Tensor, ids: list[int], elapsed_s: float) -> dict[str, Any]:
-        b = self.cfg.block_size
+        b = self.num_slots
         s = stats.detach().cpu().tolist()
         correct, counted = s[6:6 + b], s[6 + b:]
+        acc = [correct[k] / counted[k] if counted[k] else None for k in range(b)]
         return {
             "step": self.step_count,
             "loss": s[0] / s[1] if s[1] > 0 else float("nan"),
-            "per_slot_acc": [correct[k] / counted[k] if counted[k] else None for k in range(1, b)],
+            # DFlash: accuracy of block slots 1..B-1; EAGLE-3: of TTT steps 0..K-1
+            **({"per_slot_acc": acc[1:]} if self.kind == "dflash" else {"per_step_acc": acc}),
             "accept_proxy": s[2] / s[3] if s[3] else float("nan"),
             "num_blocks": int(s[3]),
             "num_tokens": int(s[4]),
@@ -485,18 +523,22 @@ class Trainer:
             "num_skipped": self.num_skipped,
             "nonfinite_in_row": self.nonfinite_in_row,
             "world_size": self.world_size,
-            "dflash_config": self.dcfg.to_dict(),
+            "drafter": self.kind,
+            "drafter_config": self.dcfg.to_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of ``state_dict``. Raises ``ValueError`` when the drafter config differs (layer ids,
         block size, shapes): a checkpoint of another drafter must not be continued silently."""
-        saved = state.get("dflash_config")
+        kind = state.get("drafter", "dflash")
+        if kind != self.kind:
+            raise ValueError(f"checkpoint holds a {kind} drafter, this run trains {self.kind}")
+        saved = state.get("drafter_config", state.get("dflash_config"))  # dflash_config: checkpoints before 0.2
         if saved is not None and saved != self.dcfg.to_dict():
             diff = sorted(k for k in saved if saved.get(k) != self.dcfg.to_dict().get(k))
             raise ValueError(f"checkpoint drafter config differs from this run in {diff}")
         with torch.no_grad():
-            named = dict(self.model.named_parameters())
+            named = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
             missing = set(self.model.trainable_state_dict()) - set(state["model"])
             if missing:
                 raise ValueError(f"checkpoint lacks weights {sorted(missing)}")
@@ -533,18 +575,23 @@ class Trainer:
         tensors = dict(state.pop("model"))
         tensors.update(self.model.frozen_state_dict())
         root = Path(checkpoints_dir) if checkpoints_dir is not None else self.run_dir / "checkpoints"
-        return ckpt.save_checkpoint(root, self.step_count, tensors, state, self.dcfg.to_dict(), self.keep_last)
+        return ckpt.save_checkpoint(root, self.step_count, tensors, state, self.dcfg.to_dict(), self.keep_last,
+                                    drafter=self.kind)
 
     def load_checkpoint(self, path: str | Path) -> Path:
         """Resume from ``path`` (step, checkpoints or run directory). Checks that the checkpoint's frozen
         embedding/LM head are bit for bit the target's, restores the state and, on rank 0, drops lines of
         ``metrics.jsonl`` beyond the restored step. Returns the step directory used."""
         step_dir = ckpt.resolve_checkpoint(path)
+        if ckpt.drafter_kind(step_dir) != self.kind:
+            raise ValueError(f"checkpoint {step_dir} holds a {ckpt.drafter_kind(step_dir)} drafter, this run trains "
+                             f"{self.kind}")
         tensors, state, _ = ckpt.load_checkpoint(step_dir)
         for key, mine in self.model.frozen_state_dict().items():
             if key in tensors and not torch.equal(tensors[key], mine.cpu()):
                 raise ValueError(f"checkpoint {step_dir}: {key} differs from the target's in {self.target_dir}")
-        state["model"] = {k: v for k, v in tensors.items() if k not in (EMBED_KEY, HEAD_KEY)}
+        frozen = set(self.model.frozen_state_dict())
+        state["model"] = {k: v for k, v in tensors.items() if k not in frozen}
         self.load_state_dict(state)
         if self._write_metrics and self._metrics_path.is_file():
             keep = [ln for ln in self._metrics_path.read_text().splitlines()

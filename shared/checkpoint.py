@@ -6,7 +6,7 @@ Layout (``checkpoints_dir`` is normally ``run_dir/checkpoints``)::
       step-000100/
         drafter.safetensors   trainable weights under their export names + embed_tokens.weight, lm_head.weight
         trainer_state.pt      optimizer, scheduler, RNG states, step, trained batch ids (torch.save)
-        dflash_config.json    DFlashConfig.to_dict()
+        dflash_config.json    DFlashConfig.to_dict() (an EAGLE-3 drafter: eagle3_config.json, Eagle3Config.to_dict())
       latest                  text: the name of the newest complete step directory ("step-000100")
 
 What is guaranteed:
@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 WEIGHTS_FILE = "drafter.safetensors"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "dflash_config.json"
+EAGLE3_CONFIG_FILE = "eagle3_config.json"
+CONFIG_FILES = {"dflash": CONFIG_FILE, "eagle3": EAGLE3_CONFIG_FILE}
 LATEST_FILE = "latest"
 SLOW_CHECKPOINT_ENV = "SPECRING_SLOW_CHECKPOINT_S"
 
@@ -110,12 +112,15 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(checkpoints_dir: str | Path, step: int, tensors: dict[str, torch.Tensor],
-                    trainer_state: dict[str, Any], config: dict[str, Any], keep_last: int | None = None) -> Path:
+                    trainer_state: dict[str, Any], config: dict[str, Any], keep_last: int | None = None,
+                    drafter: str = "dflash") -> Path:
     """Write ``step-{step:06d}/`` atomically and point ``latest`` at it; return the step directory.
 
     ``tensors``: name -> tensor (copied to CPU; tied tensors are stored as separate copies).
     ``keep_last``: when set, older step directories beyond the newest ``keep_last`` are removed.
+    ``drafter``: ``dflash`` or ``eagle3``, which names the config file (``CONFIG_FILES``).
     """
+    config_file = CONFIG_FILES[drafter]
     root = Path(checkpoints_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".step-*.tmp-*"):
@@ -129,8 +134,8 @@ def save_checkpoint(checkpoints_dir: str | Path, step: int, tensors: dict[str, t
     cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     save_tensors(cpu, tmp / WEIGHTS_FILE, metadata={"format": "pt", "step": str(step)})
     torch.save(trainer_state, tmp / STATE_FILE)
-    (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for f in (WEIGHTS_FILE, STATE_FILE, CONFIG_FILE):
+    (tmp / config_file).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    for f in (WEIGHTS_FILE, STATE_FILE, config_file):
         _fsync_file(tmp / f)
     _fsync_dir(tmp)
     slow_s = float(os.environ.get(SLOW_CHECKPOINT_ENV) or 0)
@@ -191,8 +196,18 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu"
         for k in f.keys():
             tensors[k] = f.get_tensor(k)
     state = load_trainer_state(step_dir, map_location)
-    config = json.loads((step_dir / CONFIG_FILE).read_text())
+    config = json.loads((step_dir / CONFIG_FILES[drafter_kind(step_dir)]).read_text())
     return tensors, state, config
+
+
+def drafter_kind(path: str | Path) -> str:
+    """``dflash`` or ``eagle3``: which drafter the checkpoint at ``path`` holds (by its config file). Raises
+    ``FileNotFoundError`` when it has none."""
+    step_dir = resolve_checkpoint(path)
+    for kind, name in CONFIG_FILES.items():
+        if (step_dir / name).is_file():
+            return kind
+    raise FileNotFoundError(f"checkpoint {step_dir} has no {' or '.join(CONFIG_FILES.values())}")
 
 
 def load_trainer_state(path: str | Path, map_location: str | torch.device = "cpu",
@@ -222,6 +237,16 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
         from specring.cli.export import load_exported_as_served
         return load_exported_as_served(resolve_checkpoint(path), device)
     tensors, _, config = load_checkpoint(path)
+    if drafter_kind(path) == "eagle3":
+        from specring.shared.models.eagle3 import Eagle3Config, Eagle3Drafter
+        model = Eagle3Drafter(Eagle3Config.from_dict(config)).to(dtype=dtype)
+        if "embed_tokens.weight" not in tensors and require_head:
+            raise ValueError(f"checkpoint {resolve_checkpoint(path)} lacks embed_tokens.weight: cannot use a drafter "
+                             "without the target's embedding")
+        model.load_trainable(tensors, f"checkpoint {resolve_checkpoint(path)}")
+        if "embed_tokens.weight" in tensors:
+            model.load_frozen(tensors["embed_tokens.weight"])
+        return model.to(device).eval()
     dcfg = DFlashConfig.from_dict(config)
     missing_head = [k for k in (EMBED_KEY, HEAD_KEY) if k not in tensors]
     if missing_head and require_head:

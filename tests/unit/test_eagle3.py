@@ -179,3 +179,55 @@ def test_chain_speculative_decoding_with_an_eagle3_drafter_is_lossless():
         res = speculative_generate(target, Eagle3Proposer(model, 4), prompt, 24, 5, cfg.target_layer_ids)
         assert res.tokens == ref
         assert set(res.drafted) == {4} and all(1 <= a <= 5 for a in res.accept_lengths)
+
+
+def test_the_trainer_trains_checkpoints_and_resumes_an_eagle3_drafter_exactly(tmp_path):
+    """Same Trainer, other drafter: steps with per-TTT-step accuracy, a checkpoint with eagle3_config.json and the
+    draft vocabulary, an exact resume, and load_drafter rebuilding the drafter for eval/export."""
+    from transformers import AutoModelForCausalLM
+
+    from specring.consumer.trainer import Trainer, check_batch
+    from specring.shared import checkpoint as ckpt
+    from specring.shared.config import TrainerConfig
+    from specring.shared.models.target import LayerCapture
+    target = AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32).eval()
+    dcfg = Eagle3Config.from_target(TARGET, draft_vocab_size=2000, ttt_steps=3)
+    vocab = build_draft_vocab(torch.arange(8192, 0, -1), 2000)
+    g = torch.Generator().manual_seed(5)
+    batches = []
+    for _ in range(4):
+        ids = torch.randint(4, 1999, (3, 24), generator=g)
+        with torch.no_grad(), LayerCapture(target, dcfg.target_layer_ids) as cap:
+            target.model(input_ids=ids)
+            feats = torch.cat(cap.outputs(), dim=-1).reshape(-1, 3 * 256)
+            greedy = target(input_ids=ids).logits.argmax(-1).reshape(-1)
+        batches.append({"hidden": feats, "input_ids": ids.reshape(-1).to(torch.int32),
+                        "loss_mask": torch.ones(72, dtype=torch.uint8), "target_ids": greedy.to(torch.int32),
+                        "cu_seqlens": torch.tensor([0, 24, 48, 72], dtype=torch.int32)})
+    assert check_batch(batches[0], dcfg, "target") == 72
+    cfg = TrainerConfig(lr=3e-3, warmup_steps=1, max_steps=6, seed=0)
+
+    def trainer(d):
+        return Trainer(cfg, dcfg, TARGET, "cpu", tmp_path / d, draft_vocab=vocab)
+
+    a = trainer("a")
+    hist = [a.step(batches[i % 4], [i]) for i in range(6)]
+    assert len(hist[-1]["per_step_acc"]) == 3 and "per_slot_acc" not in hist[-1]
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    b = trainer("b")
+    for i in range(3):
+        b.step(batches[i % 4], [i])
+    path = b.save_checkpoint()
+    assert (path / "eagle3_config.json").is_file() and ckpt.drafter_kind(path) == "eagle3"
+    c = trainer("c")
+    c.load_checkpoint(path)
+    for i in range(3, 6):
+        m = c.step(batches[i % 4], [i])
+    assert m["loss"] == pytest.approx(hist[-1]["loss"], rel=1e-5)
+    for k, v in a.model.trainable_state_dict().items():
+        assert torch.allclose(v, c.model.trainable_state_dict()[k], atol=1e-6), k
+    loaded = ckpt.load_drafter(path)
+    assert isinstance(loaded, Eagle3Drafter) and torch.equal(loaded.d2t, vocab[0])
+    with pytest.raises(ValueError, match="eagle3 drafter"):
+        from specring.shared.models.dflash import DFlashConfig
+        Trainer(cfg, DFlashConfig.from_target(TARGET, None), TARGET, "cpu", tmp_path / "d").load_checkpoint(path)
