@@ -231,3 +231,57 @@ def test_the_trainer_trains_checkpoints_and_resumes_an_eagle3_drafter_exactly(tm
     with pytest.raises(ValueError, match="eagle3 drafter"):
         from specring.shared.models.dflash import DFlashConfig
         Trainer(cfg, DFlashConfig.from_target(TARGET, None), TARGET, "cpu", tmp_path / "d").load_checkpoint(path)
+
+
+# What SGLang's and vLLM's llama_eagle3.py load_weights accept (read from their source; see cli/export_eagle3.py):
+# these names, no "model." prefix, "midlayer." for the layer, d2t as offsets.
+ENGINE_NAMES = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
+    f"midlayer.{n}.weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
+                                     "hidden_norm", "post_attention_layernorm")}
+
+
+def test_export_has_the_engines_names_shapes_and_config_and_bad_ones_are_refused(tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    from specring.cli.export_eagle3 import check_eagle3_export, export_eagle3
+    from specring.shared import checkpoint as ckpt
+    cfg = Eagle3Config.from_target(TARGET, draft_vocab_size=3000, ttt_steps=2)
+    d2t, t2d = build_draft_vocab(torch.arange(8192) % 97, 3000)
+    model = build_eagle3(cfg, TARGET, d2t, t2d)
+    tensors = dict(model.trainable_state_dict(), **model.frozen_state_dict())
+    step = ckpt.save_checkpoint(tmp_path / "run" / "checkpoints", 7, tensors, {"step": 7}, cfg.to_dict(),
+                                drafter="eagle3")
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"producer": {"target": str(TARGET)}}))
+    out = export_eagle3(step, tmp_path / "export", dtype="bfloat16")
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["LlamaForCausalLMEagle3"] and conf["num_hidden_layers"] == 1
+    assert conf["draft_vocab_size"] == 3000 and conf["vocab_size"] == 8192 and conf["tie_word_embeddings"] is False
+    assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert "eagle_aux_hidden_state_layer_ids" not in conf        # the engines' default layers: no vLLM override
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        got = {k: f.get_tensor(k) for k in names}
+    assert names == ENGINE_NAMES
+    assert got["fc.weight"].shape == (256, 768) and got["midlayer.self_attn.q_proj.weight"].shape == (256, 512)
+    assert got["lm_head.weight"].shape == (3000, 256) and got["lm_head.weight"].dtype == torch.bfloat16
+    assert got["d2t"].dtype == torch.int64 and torch.equal(torch.nonzero(got["t2d"]).flatten(),
+                                                           got["d2t"] + torch.arange(3000))
+    assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+    bad = dict(got)
+    bad["d2t"] = bad["d2t"] + torch.arange(3000)               # absolute ids instead of offsets
+    with pytest.raises(ValueError, match="offsets"):
+        check_eagle3_export(conf, bad)
+    with pytest.raises(ValueError, match="missing"):
+        check_eagle3_export(conf, {k: v for k, v in got.items() if k != "d2t"})
+    with pytest.raises(ValueError, match="lacks"):
+        check_eagle3_export({k: v for k, v in conf.items() if k != "draft_vocab_size"}, got)
+
+
+def _umask() -> int:
+    import os
+    old = os.umask(0)
+    os.umask(old)
+    return old
