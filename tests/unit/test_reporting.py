@@ -1,0 +1,85 @@
+"""Experiment trackers (supervisor/reporting.py): each backend writes its records; a missing one is named."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from specring.shared.errors import ConfigError
+from specring.supervisor import reporting
+from specring.supervisor.reporting import Reporter, check_backends, parse_report_to
+
+
+def write_run(run_dir, steps=3):
+    with open(run_dir / "metrics.jsonl", "w") as f:
+        for s in range(steps):
+            f.write(json.dumps({"step": s, "loss": 5.0 - s, "per_slot_acc": [0.1 * s, None], "accept_proxy": 1.5,
+                                "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 1000.0}) + "\n")
+    (run_dir / "eval.jsonl").write_text(json.dumps({"step": steps, "tau_mean": 2.5}) + "\n")
+
+
+def test_report_to_is_parsed_and_checked():
+    assert parse_report_to("none") == [] and parse_report_to(None) == []
+    assert parse_report_to("tensorboard, wandb,tensorboard") == ["tensorboard", "wandb"]
+    with pytest.raises(ConfigError, match="--report-to: unknown"):
+        parse_report_to("comet")
+
+
+def test_a_backend_that_is_not_installed_is_named_with_its_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    monkeypatch.setattr(reporting.importlib.util, "find_spec", lambda name: None if name == "wandb" else object())
+    with pytest.raises(ConfigError, match=r"wandb is not installed \(pip install wandb\)"):
+        check_backends(["tensorboard", "wandb"])
+
+
+def test_tensorboard_writes_event_files(tmp_path):
+    pytest.importorskip("tensorboard")
+    write_run(tmp_path)
+    r = Reporter(["tensorboard"], tmp_path, "run1", {"trainer": {"lr": 1e-3}})
+    r.refresh({"pipeline/tokens_per_s": 900.0, "pipeline/restarts": 1})
+    r.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/acc_slot1", "eval/tau", "pipeline/tokens_per_s"} <= tags
+    assert [e.value for e in acc.Scalars("train/loss")] == [5.0, 4.0, 3.0]
+
+
+def test_wandb_writes_an_offline_run_without_network(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for k in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    write_run(tmp_path)
+    r = Reporter(["wandb"], tmp_path, "run2", {"trainer": {"lr": 1e-3}})
+    assert "wandb" in r.backends, "the wandb backend did not start"
+    r.refresh({"pipeline/tokens_per_s": 900.0})
+    r.close()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert runs and list(runs[0].glob("*.wandb")), "no offline run directory with its records"
+
+
+def test_mlflow_writes_a_file_store(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    write_run(tmp_path)
+    r = Reporter(["mlflow"], tmp_path, "run3", {"trainer": {"lr": 1e-3}})
+    r.refresh()
+    r.close()
+    metric_files = list((tmp_path / "mlruns").rglob("metrics/train/loss"))
+    assert metric_files, "no mlflow metric file"
+    values = [float(line.split()[1]) for line in metric_files[0].read_text().splitlines()]
+    assert values == [5.0, 4.0, 3.0]
+    assert list((tmp_path / "mlruns").rglob("params/trainer.lr"))
+
+
+def test_lines_still_being_written_wait_for_the_next_refresh(tmp_path):
+    tail = reporting.JsonlTail(tmp_path / "m.jsonl")
+    (tmp_path / "m.jsonl").write_text('{"step": 1}\n{"step": 2')
+    assert tail.read() == [{"step": 1}]
+    with open(tmp_path / "m.jsonl", "a") as f:
+        f.write('}\n')
+    assert tail.read() == [{"step": 2}]
