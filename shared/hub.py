@@ -1,0 +1,52 @@
+"""Targets named by Hugging Face hub id (``Qwen/Qwen3-8B``) as well as by directory.
+
+``resolve_model_dir`` turns either into a local directory: a directory as it is; a hub id through the local
+Hugging Face cache (``huggingface_hub.snapshot_download`` with ``local_files_only``: ``HF_HOME`` /
+``HF_HUB_CACHE`` say where it is), and, when it is not cached and downloads are allowed (``HF_HUB_OFFLINE`` not
+set), downloaded into that cache (config, tokenizer, safetensors and modelling files only). The directory
+is what every process then uses, so a run's recorded configuration names a path that exists.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from specring.shared.errors import ConfigError
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
+ALLOW = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py"]
+
+
+def resolve_model_dir(spec: str | Path, flag: str = "--target") -> Path:
+    """A local checkpoint directory for ``spec`` (a directory or a hub id ``org/name[@revision]``).
+
+    Raises ``ConfigError`` naming ``flag`` when ``spec`` is neither an existing directory nor a hub id, or a hub
+    id that is not in the local cache while downloads are off (or the download fails), saying what to run.
+    """
+    path = Path(str(spec)).expanduser()
+    if path.is_dir():
+        return path
+    text = str(spec)
+    repo, _, revision = text.partition("@")
+    if not HUB_ID.match(repo) or text.startswith((".", "/", "~")):
+        raise ConfigError(f"{flag}: {text!r} is neither a directory nor a Hugging Face hub id (org/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        return Path(snapshot_download(repo, revision=revision or None, local_files_only=True, allow_patterns=ALLOW))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        pass
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
+    if offline:
+        raise ConfigError(f"{flag}: {repo} is not in the local Hugging Face cache ({cache}) and downloads are off "
+                          f"(HF_HUB_OFFLINE): run `huggingface-cli download {repo}` where there is network, or "
+                          "pass the checkpoint's directory")
+    try:
+        return Path(snapshot_download(repo, revision=revision or None, allow_patterns=ALLOW))
+    except Exception as e:  # noqa: BLE001 - network, authentication, a repository that does not exist
+        raise ConfigError(f"{flag}: {repo} is not in the local Hugging Face cache ({cache}) and could not be "
+                          f"downloaded ({type(e).__name__}: {str(e)[:200]}); pass the checkpoint's directory "
+                          "or fill the cache first") from None
