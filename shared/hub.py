@@ -19,6 +19,15 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
 ALLOW = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken", "*.py"]
 
 
+def hub_cache_dir() -> Path:
+    """The Hugging Face hub cache the environment names now (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else
+    ``~/.cache/huggingface/hub``); read at call time, since huggingface_hub reads it once at its import."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
 def resolve_model_dir(spec: str | Path, flag: str = "--target") -> Path:
     """A local checkpoint directory for ``spec`` (a directory or a hub id ``org/name[@revision]``).
 
@@ -34,18 +43,19 @@ def resolve_model_dir(spec: str | Path, flag: str = "--target") -> Path:
         raise ConfigError(f"{flag}: {text!r} is neither a directory nor a Hugging Face hub id (org/name)")
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
+    cache = hub_cache_dir()
     try:
-        return Path(snapshot_download(repo, revision=revision or None, local_files_only=True, allow_patterns=ALLOW))
+        return Path(snapshot_download(repo, revision=revision or None, local_files_only=True, allow_patterns=ALLOW,
+                                      cache_dir=cache))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError):
         pass
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
-    cache = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
     if offline:
         raise ConfigError(f"{flag}: {repo} is not in the local Hugging Face cache ({cache}) and downloads are off "
                           f"(HF_HUB_OFFLINE): run `huggingface-cli download {repo}` where there is network, or "
                           "pass the checkpoint's directory")
     try:
-        return Path(snapshot_download(repo, revision=revision or None, allow_patterns=ALLOW))
+        return Path(snapshot_download(repo, revision=revision or None, allow_patterns=ALLOW, cache_dir=cache))
     except Exception as e:  # noqa: BLE001 - network, authentication, a repository that does not exist
         raise ConfigError(f"{flag}: {repo} is not in the local Hugging Face cache ({cache}) and could not be "
                           f"downloaded ({type(e).__name__}: {str(e)[:200]}); pass the checkpoint's directory "
