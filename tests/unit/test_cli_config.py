@@ -363,3 +363,30 @@ def test_resume_validates_the_changed_values(tmp_path):
     with pytest.raises(ConfigError, match=r"^--hang-timeout-s: must exceed twice heartbeat_interval_s"):
         parse("--run-dir", str(run_dir), "--resume", "--hang-timeout-s", "1")
 
+
+# ------------------------------------------------------------------------------------ subcommands' help
+
+def test_launch_help_lists_every_command_with_a_description(capsys):
+    from specring.cli.main import COMMANDS, main
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for name, (_, _, text) in COMMANDS.items():
+        assert re.search(rf"^  {name} +{re.escape(text)}$", out, re.M), name
+
+
+@pytest.mark.parametrize("name", ["train", "prepare", "regenerate", "eval", "export", "status", "restart", "clean",
+                                  "bench"])
+def test_every_command_has_its_own_help(name, capsys):
+    from specring.cli.main import COMMANDS, main
+    try:
+        code = main([name, "--help"])
+    except SystemExit as e:
+        code = e.code
+    assert code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: launch.py {name}"), out[:200]
+    assert "``" not in out
+    if name in ("status", "clean", "bench"):
+        assert COMMANDS[name][2][1:] in re.sub(r"\s+", " ", out)
+    if name == "bench":
+        assert "transport" in out and "benchmarks/NAME.py" in out
