@@ -1,46 +1,61 @@
 #!/usr/bin/env python3
-"""specring: train speculative-decoding drafters (DFlash) from a target LLM's hidden states.
-
-Commands (the default is train):
-  train     train a drafter: producers (targets) and consumers (drafter trainers) as separate processes
-  prepare   tokenize JSONL/Parquet data into the Arrow format train reads (--demo: the embedded corpus)
-  regenerate  rewrite training data with the target's own answers/continuations (loss on generated tokens)
-  status    one line per process of a running run (--run-dir)
-  restart   restart one producer of a running run gracefully (restart producer N --run-dir R)
-  clean     remove shared-memory segments, sockets and processes left by runs whose supervisor died
-  eval      acceptance length tau by real speculative decoding with the target
-  export    write a trained drafter as a DFlashDraftModel directory for SGLang/vLLM
-  bench     run a benchmark from benchmarks/ (transport, producer, trainer, e2e)
-
-Run `python launch.py COMMAND --help` for a command's flags.
-"""
+"""specring's command line: ``launch.py [COMMAND] [FLAGS]`` runs one of ``COMMANDS`` (``train`` when the
+first word is not a command name); ``launch.py --help`` lists them with their one-line descriptions and
+``launch.py COMMAND --help`` gives a command's own flags."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 
+# name -> (module, function, one line for `launch.py --help`)
 COMMANDS = {
-    "prepare": ("specring.cli.prepare", "main"),
-    "regenerate": ("specring.cli.regenerate", "main"),
-    "train": ("specring.cli.train", "train_main"),
-    "status": ("specring.cli.ops", "status_main"),
-    "restart": ("specring.cli.ops", "restart_main"),
-    "clean": ("specring.cli.ops", "clean_main"),
-    "eval": ("specring.cli.eval", "main"),
-    "export": ("specring.cli.export", "main"),
-    "bench": ("specring.cli.ops", "bench_main"),
+    "train": ("specring.cli.train", "train_main",
+              "train a drafter: producers (target, hidden states) and consumers (drafter trainers) as processes"),
+    "prepare": ("specring.cli.prepare", "main",
+                "tokenize JSONL/Parquet data into the Arrow file train reads (--demo: the embedded corpus)"),
+    "regenerate": ("specring.cli.regenerate", "main",
+                   "rewrite training data with the target's own answers or continuations (loss on generated tokens)"),
+    "eval": ("specring.cli.eval", "main",
+             "acceptance length tau of a drafter by real speculative decoding with the target"),
+    "export": ("specring.cli.export", "main",
+               "write a trained drafter as a DFlashDraftModel directory for SGLang/vLLM"),
+    "status": ("specring.cli.ops", "status_main",
+               "one line per process of a running run: pid, heartbeat, tokens/s, memory, ring occupancy"),
+    "restart": ("specring.cli.ops", "restart_main",
+                "restart one producer of a running run gracefully (restart producer N)"),
+    "clean": ("specring.cli.ops", "clean_main",
+              "remove shared-memory segments, sockets and processes left by runs whose supervisor died"),
+    "bench": ("specring.cli.ops", "bench_main",
+              "run a benchmark script of a specring checkout (transport, producer, trainer, e2e)"),
 }
+
+
+def usage() -> str:
+    """The text of ``launch.py --help``: every command with its one-line description."""
+    width = max(map(len, COMMANDS)) + 2
+    lines = ["usage: launch.py [COMMAND] [FLAGS]", "",
+             "specring: train speculative-decoding drafters (DFlash) from a target LLM's hidden states.", "",
+             "commands (train when none is named):"]
+    lines += [f"  {name:<{width}}{text}" for name, (_, _, text) in COMMANDS.items()]
+    lines += ["", "Run `launch.py COMMAND --help` for a command's flags, e.g. `launch.py train --help`."]
+    return "\n".join(lines)
+
+
+def description(name: str) -> str:
+    """A command's one-line description, as a sentence (for its own ``--help``)."""
+    text = COMMANDS[name][2]
+    return text[0].upper() + text[1:] + "."
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run a subcommand (``train`` when none is named); returns the process exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print("usage: launch.py [COMMAND] [FLAGS]\n\n" + __doc__.strip())
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(usage())
         return 0
     name = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
-    module, func = COMMANDS[name]
+    module, func, _ = COMMANDS[name]
     return int(getattr(importlib.import_module(module), func)(argv) or 0)
 
 

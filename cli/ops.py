@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specring.cli.main import description
 from specring.shared import paths
 from specring.shared.config import finite_number
 from specring.shared.errors import ConfigError, PeerTimeout
@@ -31,7 +32,8 @@ def _address(run_dir: str) -> str:
 
 def status_main(argv: list[str]) -> int:
     """``launch.py status --run-dir R``: one line per process from the running supervisor."""
-    ap = argparse.ArgumentParser(prog="launch.py status")
+    ap = argparse.ArgumentParser(prog="launch.py status", description=description("status") + " Exits with 1 "
+                                 "when no run is going in the run directory (its supervisor has exited).")
     ap.add_argument("--run-dir", default=str(latest_link()), help="the run to ask (default: runs/latest)")
     ap.add_argument("--json", action="store_true", help="print the raw status as JSON")
     args = ap.parse_args(argv)
@@ -103,7 +105,9 @@ def restart_main(argv: list[str]) -> int:
 
 def clean_main(argv: list[str]) -> int:
     """``launch.py clean``: remove segments, socket files and processes of runs whose supervisor is dead."""
-    ap = argparse.ArgumentParser(prog="launch.py clean")
+    ap = argparse.ArgumentParser(prog="launch.py clean", description=description("clean") + " A run whose "
+                                 "launcher is alive (it holds RUN_DIR/.lock) is left alone; run directories under "
+                                 "./runs are always looked in.")
     ap.add_argument("--run-dir", action="append", default=[], help="also look in this run directory (repeatable)")
     args = ap.parse_args(argv)
     from specring.shared.procs import sweep_run_processes
@@ -126,8 +130,43 @@ def clean_main(argv: list[str]) -> int:
     return 0
 
 
+def benchmarks() -> dict[str, str]:
+    """``{name: first line of its docstring}`` of the scripts in ``benchmarks/`` (read, not imported)."""
+    import ast
+    out = {}
+    for script in sorted(paths.BENCHMARKS_DIR.glob("*.py")):
+        if script.name.startswith("_"):
+            continue
+        try:
+            doc = ast.get_docstring(ast.parse(script.read_text())) or ""
+        except (OSError, SyntaxError):
+            doc = ""
+        out[script.stem] = doc.split("\n\n")[0].replace("``", "").replace("\n", " ").strip()
+    return out
+
+
+def bench_help() -> str:
+    """The text of ``launch.py bench --help``: what bench does and the benchmarks there are."""
+    import textwrap
+    intro = (description("bench") + " It runs benchmarks/NAME.py (default: transport) with ARGS, from the "
+             "checkout's root; `launch.py bench NAME --help` gives that benchmark's own flags.")
+    lines = ["usage: launch.py bench [NAME] [ARGS ...]", "", textwrap.fill(intro, 100), ""]
+    if paths.BENCHMARKS_DIR.is_dir():
+        found = benchmarks()
+        width = max(map(len, found), default=0) + 4
+        lines += ["benchmarks:"] + [textwrap.fill(text, 100, initial_indent=f"  {name:<{width - 2}}",
+                                                  subsequent_indent=" " * width) for name, text in found.items()]
+    else:
+        lines += ["The benchmarks are scripts of a specring checkout (benchmarks/), not of the installed package."]
+    return "\n".join(lines)
+
+
 def bench_main(argv: list[str]) -> int:
-    """``launch.py bench [transport|producer] ARGS``: run a benchmark script from ``benchmarks/``."""
+    """``launch.py bench [NAME] ARGS``: run ``benchmarks/NAME.py`` (default: transport) with ``ARGS``;
+    ``--help`` first describes bench and lists the benchmarks."""
+    if argv and argv[0] in ("-h", "--help"):
+        print(bench_help())
+        return 0
     name = argv[0] if argv and not argv[0].startswith("-") else "transport"
     rest = argv[1:] if argv and not argv[0].startswith("-") else argv
     if not paths.BENCHMARKS_DIR.is_dir():
@@ -136,7 +175,6 @@ def bench_main(argv: list[str]) -> int:
         return 2
     script = paths.BENCHMARKS_DIR / f"{name}.py"
     if not script.is_file():
-        print(f"error: no benchmark {name!r} (have: {', '.join(p.stem for p in paths.BENCHMARKS_DIR.glob('*.py'))})",
-              file=sys.stderr)
+        print(f"error: no benchmark {name!r} (have: {', '.join(benchmarks())})", file=sys.stderr)
         return 2
     return subprocess.call([sys.executable, str(script), *rest], cwd=paths.PACKAGE_ROOT)

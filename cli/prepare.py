@@ -159,8 +159,10 @@ def prepare_files(inputs: list[str], output: Path, *, tokenizer: Path, max_lengt
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py prepare", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="launch.py prepare", description=(
+        "Tokenize JSONL/Parquet rows (text, chat messages/conversations, or input_ids with an optional loss_mask) "
+        "into one Arrow IPC file, the data `launch.py train` reads, with a JSON sidecar of its statistics and "
+        "bad rows; --demo builds the embedded default corpus (train + held-out)."))
     p.add_argument("inputs", nargs="*", help="JSONL/Parquet files, directories or globs")
     p.add_argument("--input", action="append", default=[], help="another input (repeatable)")
     p.add_argument("--tokenizer", default=str(DEFAULT_TARGET), help="local Hugging Face tokenizer directory")

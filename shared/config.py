@@ -1,24 +1,38 @@
-"""Configuration: one keyword-only dataclass per component, composed by ``RunConfig``.
+"""Configuration: one keyword-only dataclass per component, composed by ``RunConfig``; each field declared once.
 
-Each dataclass validates itself in ``__post_init__`` and raises ``ConfigError`` (a ``ValueError``) naming
-the field. The command line (``supervisor/cli.py``) and ``--config FILE`` (TOML or YAML) map onto these
-fields one to one; ``RunConfig.to_dict()`` / ``RunConfig.from_dict()`` are the serialised form that is
-passed to child processes and stored in the run directory.
+Every field of ``DataConfig``, ``RingConfig``, ``ProducerConfig``, ``TrainerConfig``, ``MonitorConfig`` and
+the plain fields of ``RunConfig`` is declared with ``num(...)`` (a number, with its bounds) or
+``setting(...)`` (anything else): type (the annotation), default, bounds and, in the field's metadata, a
+help line and what the command line needs to know about it (``FieldSpec`` lists the keys). From that one
+declaration come:
+
+* validation: ``__post_init__`` checks bounds and choices (``check_fields``) and raises ``ConfigError``
+  (a ``ValueError``) naming the field;
+* ``--config FILE`` (TOML or YAML): ``RunConfig.from_dict`` accepts exactly these sections and fields,
+  refusing any other key by name;
+* the flags of ``launch.py train`` (``specring.cli.flags``): ``--SECTION.FIELD-NAME`` for every field
+  (``--trainer.grad-clip``, ``--monitor.backoff-max-s``; ``--run-dir`` for ``RunConfig``'s own), the
+  declared short aliases (``--lr``, ``--producers``, ``--slot-mb`` with its scale), the parsing of each
+  type, ``--help`` with every default, the CPU defaults and what ``--resume`` may change.
+
+``RunConfig.to_dict()`` / ``RunConfig.from_dict()`` are the serialised form that is passed to child
+processes and stored in the run directory (``config.json``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Mapping
 
 from specring.shared.errors import ConfigError
 from specring.shared.paths import DEFAULT_TARGET
 
-LABEL_SOURCES = ("data", "target")
+LABEL_SOURCES = ("target", "data")
 
 
 MAX_SECONDS = 10**6                  # ~11.6 days: the longest duration any timeout or interval may ask for
@@ -32,14 +46,49 @@ def _require(cond: bool, field_name: str, msg: str) -> None:
         raise ConfigError(f"{field_name}: {msg}", key=field_name, detail=msg)
 
 
-def num(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
-        le: float | None = None, unit: str = "", **kw: Any) -> Any:
-    """A numeric dataclass field with its bounds: ``check_numbers`` refuses NaN, infinities and values
-    outside ``[ge, le]`` / ``(gt, le]`` (for a ``list`` field, each item). ``unit`` is shown in errors."""
-    meta = {"ge": ge, "gt": gt, "le": le, "unit": unit}
+@dataclass(frozen=True)
+class Alias:
+    """A short flag of a field, e.g. ``Alias("--slot-mb", scale=2**20, unit="MiB")``: the flag's value
+    times ``scale`` is the field's value (``unit`` names the flag's unit in help and errors)."""
+    flag: str
+    scale: int = 1
+    unit: str = ""
+
+
+def setting(default: Any = dataclasses.MISSING, *, help: str = "", aliases: tuple = (),
+            choices: tuple = (), cpu_default: Any = dataclasses.MISSING, resume: bool = False,
+            group: str | None = None, metavar: str | None = None, default_text: str | None = None,
+            machine_default: Callable[[], Any] | None = None, follows: str | None = None,
+            filled_at_start: bool = False, path: bool = False, ge: float | None = None,
+            gt: float | None = None, le: float | None = None, unit: str = "", **kw: Any) -> Any:
+    """Declare a config field: its default and everything derived from it (see ``FieldSpec``).
+
+    ``help`` is the one line ``--help`` shows (the default is appended); ``aliases`` are short flags
+    (``"--lr"`` or ``Alias(...)``) besides ``--SECTION.FIELD-NAME``; ``choices`` the allowed values;
+    ``cpu_default`` the default when every device is CPU; ``resume=True``: the value may change on
+    ``--resume``; ``path=True``: a file or directory (compared resolved); ``ge``/``gt``/``le``/``unit``:
+    bounds of a number (see ``num``); the other keywords are described on ``FieldSpec``. A list default is
+    copied for each instance."""
+    meta: dict[str, Any] = {"ge": ge, "gt": gt, "le": le, "unit": unit, "help": help,
+                            "aliases": tuple(a if isinstance(a, Alias) else Alias(a) for a in aliases),
+                            "choices": tuple(choices), "resume": resume, "group": group, "metavar": metavar,
+                            "default_text": default_text, "machine_default": machine_default,
+                            "follows": follows, "filled_at_start": filled_at_start, "path": path}
+    if cpu_default is not dataclasses.MISSING:
+        meta["cpu_default"] = cpu_default
+    if isinstance(default, list):
+        return field(default_factory=functools.partial(list, default), metadata=meta, **kw)
     if default is dataclasses.MISSING:
         return field(metadata=meta, **kw)
     return field(default=default, metadata=meta, **kw)
+
+
+def num(default: Any = dataclasses.MISSING, *, ge: float | None = None, gt: float | None = None,
+        le: float | None = None, unit: str = "", **kw: Any) -> Any:
+    """A numeric dataclass field with its bounds: ``check_numbers`` refuses NaN, infinities and values
+    outside ``[ge, le]`` / ``(gt, le]`` (for a ``list`` field, each item). ``unit`` is shown in errors.
+    Other keywords are those of ``setting`` (help, aliases, ...)."""
+    return setting(default, ge=ge, gt=gt, le=le, unit=unit, **kw)
 
 
 def _show(x: float) -> str:
@@ -69,6 +118,17 @@ def check_numbers(obj: Any) -> None:
                 _require(x > m["gt"], f.name, f"must be > {_show(m['gt'])}{unit}, got {_show(x)}")
             if m.get("le") is not None:
                 _require(x <= m["le"], f.name, f"must be <= {_show(m['le'])}{unit}, got {_show(x)}")
+
+
+def check_fields(obj: Any) -> None:
+    """``check_numbers``, then every field with declared ``choices`` holds one of them (``None`` is left to
+    the type check). Raises ``ConfigError`` naming the field."""
+    check_numbers(obj)
+    for f in dataclasses.fields(obj):
+        choices = f.metadata.get("choices")
+        value = getattr(obj, f.name)
+        if choices and value is not None:
+            _require(value in choices, f.name, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
 
 
 def finite_number(kind: type = float, scale: float = 1.0) -> Callable[[str], Any]:
@@ -130,6 +190,17 @@ def _type_ok(value: Any, hint: Any) -> bool:
     return isinstance(value, hint)
 
 
+def type_name(hint: Any) -> str:
+    """``int``, ``list[int]``, ``float | None``: how errors and help name an annotation."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return " | ".join(type_name(h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return "None"
+    if typing.get_origin(hint) is list:
+        return f"list[{type_name(typing.get_args(hint)[0])}]"
+    return getattr(hint, "__name__", str(hint))
+
+
 def _build(cls, values: dict[str, Any], where: str):
     """``cls(**values)`` after checking names and types; ``ConfigError`` names ``where.field`` (its ``key``)."""
     hints = typing.get_type_hints(cls)
@@ -139,7 +210,7 @@ def _build(cls, values: dict[str, Any], where: str):
         raise ConfigError(f"unknown key(s) {bad} in config section {where!r} (known: {sorted(known)})")
     for k, v in values.items():
         if not _type_ok(v, hints[k]):
-            detail = f"expected {getattr(hints[k], '__name__', hints[k])}, got {type(v).__name__} {v!r}"[:300]
+            detail = f"expected {type_name(hints[k])}, got {type(v).__name__} {v!r}"[:300]
             raise ConfigError(f"{where}.{k}: {detail}", key=f"{where}.{k}", detail=detail)
     try:
         return cls(**values)
@@ -150,19 +221,49 @@ def _build(cls, values: dict[str, Any], where: str):
         raise
 
 
+def default_devices() -> tuple[list[str], list[str]]:
+    """``(producer devices, consumer devices)`` of this machine: 2 producers + 1 consumer, on CPU, or spread
+    over the GPUs when there are some (1 GPU: all on cuda:0; 2: producers on cuda:0, the consumer on cuda:1;
+    3 or more: producers on cuda:0 and cuda:1, the consumer on cuda:2)."""
+    try:
+        import torch
+        g = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        g = 0
+    if g == 0:
+        return ["cpu", "cpu"], ["cpu"]
+    if g == 1:
+        return ["cuda:0", "cuda:0"], ["cuda:0"]
+    if g == 2:
+        return ["cuda:0", "cuda:0"], ["cuda:1"]
+    return ["cuda:0", "cuda:1"], ["cuda:2"]
+
+
+
+
 @dataclass(kw_only=True)
 class DataConfig:
     """Where the tokenized data lives and how it is cut into batches (see ``shared.data.BatchPlan``)."""
-    data: str = ""                     # Arrow IPC file written by `launch.py prepare`; "" = demo corpus
-    heldout: str = ""                  # held-out Arrow file for evaluation; "" = demo held-out split
-    max_tokens: int = num(8192, ge=1, le=MAX_INT32)        # padded tokens per batch
-    max_batch_size: int = num(64, ge=1, le=2**20)          # sequences per batch
-    bucket_edges: list[int] | None = num(None, ge=0, le=MAX_INT32)
-    num_buckets: int = num(8, ge=1, le=2**16)
-    seed: int = num(0, ge=0, le=MAX_SEED)
+    GROUP: ClassVar[str] = "data"
+    data: str = setting("", aliases=("--data",), path=True, resume=True, filled_at_start=True,
+                        default_text="the demo corpus, prepared on first use",
+                        help="Arrow file written by `launch.py prepare`; a resumed run checks that its content "
+                             "is what the run trained on")
+    heldout: str = setting("", aliases=("--heldout",), path=True, resume=True, filled_at_start=True,
+                           default_text="the demo held-out split with the demo corpus, else none",
+                           help="held-out Arrow file whose prompts measure tau (acceptance length) during training")
+    max_tokens: int = num(8192, ge=1, le=MAX_INT32, aliases=("--max-tokens",), cpu_default=2048,
+                          help="padded tokens per batch")
+    max_batch_size: int = num(64, ge=1, le=2**20, aliases=("--max-batch-size",), help="sequences per batch")
+    bucket_edges: list[int] | None = num(None, ge=0, le=MAX_INT32,
+                                         help="increasing sequence lengths that bound the length buckets of the "
+                                              "batch plan; none: num_buckets buckets at the length quantiles")
+    num_buckets: int = num(8, ge=1, le=2**16, help="length buckets when bucket_edges is none")
+    seed: int = num(0, ge=0, le=MAX_SEED, follows="trainer.seed",
+                    help="seed of the batch plan's shuffle (the batch order)")
 
     def __post_init__(self):
-        check_numbers(self)
+        check_fields(self)
         if self.bucket_edges is not None:
             e = list(self.bucket_edges)
             _require(all(a < b for a, b in zip(e, e[1:])), "bucket_edges", f"must be increasing, got {e}")
@@ -171,31 +272,49 @@ class DataConfig:
 @dataclass(kw_only=True)
 class RingConfig:
     """One ring per producer: ``num_slots`` slots of ``slot_bytes`` (0 = sized from the batch plan)."""
-    num_slots: int = num(4, ge=2, le=4096)   # >= 2: one slot being written, one being read
-    slot_bytes: int = num(0, ge=0, le=MAX_SLOT_BYTES, unit="bytes")
-    checksum: bool = False             # CRC32 of every payload, verified by the consumer
+    GROUP: ClassVar[str] = "rings"
+    num_slots: int = num(4, ge=2, le=4096, aliases=("--num-slots",),
+                         help="slots per producer ring (at least 2: one being written, one being read)")
+    slot_bytes: int = num(0, ge=0, le=MAX_SLOT_BYTES, unit="bytes", filled_at_start=True,
+                          aliases=(Alias("--slot-mb", scale=2**20, unit="MiB"),),
+                          help="size of one slot (the hidden states of one batch); 0: sized from the batch plan")
+    checksum: bool = setting(False, aliases=("--checksum",),
+                             help="CRC32 of every slot payload, verified by the consumer")
 
     def __post_init__(self):
-        check_numbers(self)
+        check_fields(self)
 
 
 @dataclass(kw_only=True)
 class ProducerConfig:
-    """The target model a producer runs and the layers it captures."""
-    target: str = str(DEFAULT_TARGET)  # local Hugging Face checkpoint directory
-    devices: list[str] = field(default_factory=lambda: ["cpu", "cpu"])  # one producer per entry
-    dtype: str = "auto"                # auto = bfloat16 on CUDA, float32 on CPU
-    # DFlash convention: id i = output of decoder layer i
-    target_layer_ids: list[int] | None = num(None, ge=0, le=2**16)
-    # used when target_layer_ids is None; None = the DFlash default (5, fewer on a shallow target)
-    num_target_layers: int | None = num(None, ge=1, le=2**16)
-    random_weights: bool = False       # benchmarks: random target weights of the checkpoint's shape
+    """The target model a producer runs and the layers whose hidden states it captures."""
+    GROUP: ClassVar[str] = "target & capture"
+    target: str = setting(str(DEFAULT_TARGET), aliases=("--target",), path=True,
+                          default_text="the embedded fixture, assets/tiny-code-lm",
+                          help="target checkpoint directory (Hugging Face format)")
+    devices: list[str] = setting(["cpu", "cpu"], aliases=("--producers",), group="topology",
+                                 machine_default=lambda: default_devices()[0],
+                                 default_text="cpu,cpu; with GPUs cuda:0,cuda:0 (1 or 2 GPUs), cuda:0,cuda:1 (3+)",
+                                 help="one producer (a target that sends hidden states) per device, "
+                                      "e.g. cuda:0,cuda:1 or cpu,cpu")
+    dtype: str = setting("auto", aliases=("--dtype",), choices=("auto", "bfloat16", "float16", "float32"),
+                         help="target dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    target_layer_ids: list[int] | None = num(None, ge=0, le=2**16, aliases=("--target-layers",),
+                                             filled_at_start=True,
+                                             help="target layers whose hidden states are captured, DFlash ids "
+                                                  "(id i = output of decoder layer i), e.g. 1,9,17,25,33; none: "
+                                                  "num_target_layers ids spread over the target")
+    num_target_layers: int | None = num(None, ge=1, le=2**16, aliases=("--num-target-layers",),
+                                        help="captured layers when target_layer_ids is none; none: 5 spread "
+                                             "over 1..L-3, fewer on a target of under 8 layers")
+    random_weights: bool = setting(False, aliases=("--random-target-weights",),
+                                   help="benchmarks: build the target from its config.json with random weights "
+                                        "(the checkpoint's own tensors, e.g. embedding and LM head, are still "
+                                        "loaded)")
 
     def __post_init__(self):
-        check_numbers(self)
+        check_fields(self)
         _require(len(self.devices) >= 1, "devices", "at least one producer device is needed")
-        _require(self.dtype in ("auto", "bfloat16", "float16", "float32"), "dtype",
-                 f"must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
         if self.target_layer_ids is not None:
             ids = list(self.target_layer_ids)
             _require(len(ids) >= 1, "target_layer_ids", "must name at least one layer")
@@ -205,43 +324,69 @@ class ProducerConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    """DFlash drafter and its optimisation (see ``consumer/dflash.py`` and ``consumer/trainer.py``)."""
-    devices: list[str] = field(default_factory=lambda: ["cpu"])  # one consumer (DP rank) per entry
-    block_size: int = num(16, ge=2, le=1024)
-    num_anchors: int = num(512, ge=1, le=2**20)    # per sequence, at most
-    gamma: float | None = num(None, gt=0, le=1e6)  # loss decay; None = 7 for B=16, 5 for B=10, 4 for B=8, else B/2.3
-    num_draft_layers: int | None = num(None, ge=1, le=1024)  # None = number of captured target layers
-    mask_token_id: int | None = num(None, ge=0, le=MAX_INT32)  # None = tokenizer's mask token, else its pad token
-    label_source: str = "target"       # target = the target's greedy next tokens (measured better); data = the corpus's
-    distill_topk: int = num(0, ge=0, le=1024)  # > 0: the producer also sends the target's top-K log-probs; KL added
-    distill_weight: float = num(1.0, ge=0, le=1e6)  # weight of that KL term
-    compile: bool | None = None        # torch.compile the draft layers; None = on CUDA (benchmarks/trainer.py)
-    attention: str = "auto"            # auto (flex on CUDA, structured on CPU), flex, dense, structured
-    lr: float = num(6e-4, gt=0, le=1e3)
-    min_lr_ratio: float = num(0.1, ge=0, le=1)
-    warmup_steps: int = num(20, ge=0, le=10**9)
-    weight_decay: float = num(0.01, ge=0, le=1e3)
-    grad_clip: float = num(1.0, gt=0, le=1e9)
-    grad_accum: int = num(1, ge=1, le=2**16)
-    max_steps: int = num(300, ge=1, le=10**9)
-    epochs: int | None = num(None, ge=1, le=10**6)  # when set, train this many epochs (max_steps ignored)
-    checkpoint_every: int = num(100, ge=1, le=10**9)
-    eval_every: int = num(0, ge=0, le=10**9)       # optimizer steps between tau evaluations; 0 = at every checkpoint
-    eval_prompts: int = num(8, ge=0, le=10**6)     # held-out prompts per tau evaluation; 0 = no tau during training
-    eval_max_new_tokens: int = num(32, ge=1, le=2**20)
-    eval_prompt_len: int = num(64, ge=1, le=MAX_INT32)  # tokens of each held-out prompt (samples must be longer)
-    max_nonfinite_in_row: int = num(5, ge=1, le=10**9)
-    seed: int = num(0, ge=0, le=MAX_SEED)
+    """DFlash drafter and its optimisation (see ``shared/models/dflash.py`` and ``consumer/trainer.py``)."""
+    GROUP: ClassVar[str] = "drafter & training"
+    devices: list[str] = setting(["cpu"], aliases=("--consumers",), group="topology",
+                                 machine_default=lambda: default_devices()[1],
+                                 default_text="cpu; with GPUs cuda:0 (1 GPU), cuda:1 (2), cuda:2 (3+)",
+                                 help="one consumer (a drafter trainer, one data-parallel rank) per device")
+    block_size: int = num(16, ge=2, le=1024, aliases=("--block-size",),
+                          help="DFlash block size B: tokens the drafter proposes at once, the anchor's included")
+    num_anchors: int = num(512, ge=1, le=2**20, aliases=("--num-anchors",), cpu_default=32,
+                           help="anchors (block starts) sampled per sequence, at most")
+    gamma: float | None = num(None, gt=0, le=1e6,
+                              help="decay of the loss over a block's positions; none: 7 for B=16, 5 for B=10, "
+                                   "4 for B=8, else B/2.3")
+    num_draft_layers: int | None = num(None, ge=1, le=1024, aliases=("--num-draft-layers",), cpu_default=2,
+                                       help="drafter layers; none: the number of captured target layers")
+    mask_token_id: int | None = num(None, ge=0, le=MAX_INT32,
+                                    help="token id of the drafter's mask token; none: the tokenizer's mask "
+                                         "token, else its pad token")
+    label_source: str = setting("target", aliases=("--label-source",), choices=LABEL_SOURCES,
+                                help="what the drafter learns: target (the target's own greedy next tokens, "
+                                     "computed by the producers) or data (the corpus's next tokens)")
+    distill_topk: int = num(0, ge=0, le=1024, aliases=("--distill-topk",),
+                            help="with label source target: the producers also send the target's top-K "
+                                 "log-probabilities and the KL divergence to them joins the loss; 0: off")
+    distill_weight: float = num(1.0, ge=0, le=1e6, help="weight of that KL divergence in the loss")
+    compile: bool | None = setting(None, help="torch.compile the draft layers; none: on CUDA")
+    attention: str = setting("auto", choices=("auto", "flex", "dense", "structured"),
+                             help="attention form of the drafter's training step; auto: flex on CUDA, "
+                                  "structured on CPU")
+    lr: float = num(6e-4, gt=0, le=1e3, aliases=("--lr",), help="peak learning rate")
+    min_lr_ratio: float = num(0.1, ge=0, le=1, help="learning rate at the end of the cosine decay, over the peak")
+    warmup_steps: int = num(20, ge=0, le=10**9, aliases=("--warmup-steps",),
+                            help="optimizer steps of linear learning-rate warm-up")
+    weight_decay: float = num(0.01, ge=0, le=1e3, help="AdamW weight decay")
+    grad_clip: float = num(1.0, gt=0, le=1e9, help="gradients are clipped to this global norm")
+    grad_accum: int = num(1, ge=1, le=2**16, aliases=("--grad-accum",), help="micro-batches per optimizer step")
+    max_steps: int = num(300, ge=1, le=10**9, aliases=("--max-steps",), cpu_default=200, resume=True,
+                         help="optimizer steps of the run (ignored with epochs)")
+    epochs: int | None = num(None, ge=1, le=10**6, aliases=("--epochs",), resume=True,
+                             help="train this many epochs of the data (max_steps is then ignored); none: "
+                                  "max_steps")
+    checkpoint_every: int = num(100, ge=1, le=10**9, aliases=("--checkpoint-every",), resume=True,
+                                help="optimizer steps between checkpoints")
+    eval_every: int = num(0, ge=0, le=10**9, aliases=("--eval-every",), resume=True,
+                          help="optimizer steps between tau evaluations during training; 0: at every checkpoint")
+    eval_prompts: int = num(8, ge=0, le=10**6, aliases=("--eval-prompts",), resume=True,
+                            help="held-out prompts per tau evaluation during training; 0: no tau during training")
+    eval_max_new_tokens: int = num(32, ge=1, le=2**20, aliases=("--eval-max-new-tokens",), resume=True,
+                                   help="tokens generated per prompt in those evaluations")
+    eval_prompt_len: int = num(64, ge=1, le=MAX_INT32, aliases=("--eval-prompt-len",), resume=True,
+                               help="tokens of each held-out prompt (held-out samples must be longer)")
+    max_nonfinite_in_row: int = num(5, ge=1, le=10**9,
+                                    help="after this many optimizer steps in a row skipped for a non-finite "
+                                         "loss or gradient the consumer stops with an error")
+    seed: int = num(0, ge=0, le=MAX_SEED, aliases=("--seed",),
+                    help="seed of the drafter's initialisation and the anchor sampling (also of the batch "
+                         "plan unless data.seed is set)")
 
     def __post_init__(self):
-        check_numbers(self)
+        check_fields(self)
         _require(len(self.devices) >= 1, "devices", "at least one consumer device is needed")
-        _require(self.label_source in LABEL_SOURCES, "label_source",
-                 f"must be one of {', '.join(LABEL_SOURCES)}, got {self.label_source!r}")
         _require(self.distill_topk == 0 or self.label_source == "target", "distill_topk",
                  "needs label_source=target (the producer computes the target's distribution only then)")
-        _require(self.attention in ("auto", "flex", "dense", "structured"), "attention",
-                 f"must be auto, flex, dense or structured, got {self.attention!r}")
 
     def resolved_gamma(self) -> float:
         """The loss-decay γ for this block size (DFlash paper defaults: 7 / 5 / 4 for B = 16 / 10 / 8)."""
@@ -253,21 +398,32 @@ class TrainerConfig:
 @dataclass(kw_only=True)
 class MonitorConfig:
     """Health monitor: heartbeats, hang detection and the restart policy (durations in seconds, at most
-    ``MAX_SECONDS``)."""
-    heartbeat_interval_s: float = num(1.0, gt=0, le=MAX_SECONDS)
-    hang_timeout_s: float = num(60.0, gt=0, le=MAX_SECONDS)       # no heartbeat and no progress for this long = hung
-    startup_timeout_s: float = num(300.0, ge=0, le=MAX_SECONDS)   # a child must say Hello within this long
-    max_restarts: int = num(10, ge=0, le=10**6)                   # per producer per window
-    restart_window_s: float = num(600.0, ge=0, le=MAX_SECONDS)
-    backoff_base_s: float = num(0.5, ge=0, le=MAX_SECONDS)
-    backoff_max_s: float = num(15.0, ge=0, le=MAX_SECONDS)
-    # a consumer silent this long after Shutdown is terminated (a checkpoint write is silent)
-    shutdown_timeout_s: float = num(120.0, ge=0, le=MAX_SECONDS)
-    # one batch (forward, training step, checkpoint) may take this long; longer = hung
-    batch_timeout_s: float = num(1800.0, gt=0, le=MAX_SECONDS)
+    ``MAX_SECONDS``). Every field may change on ``--resume``."""
+    GROUP: ClassVar[str] = "health monitor"
+    heartbeat_interval_s: float = num(1.0, gt=0, le=MAX_SECONDS, aliases=("--heartbeat-interval-s",),
+                                      resume=True, help="seconds between a child's heartbeats")
+    hang_timeout_s: float = num(60.0, gt=0, le=MAX_SECONDS, aliases=("--hang-timeout-s",), resume=True,
+                                help="a child with no heartbeat and no progress this long is hung: killed (a "
+                                     "producer is restarted); more than twice the heartbeat interval")
+    startup_timeout_s: float = num(300.0, ge=0, le=MAX_SECONDS, resume=True,
+                                   help="a child must say Hello within this long of its start")
+    max_restarts: int = num(10, ge=0, le=10**6, aliases=("--max-restarts",), resume=True,
+                            help="restarts of one producer allowed per restart window; one more ends the run")
+    restart_window_s: float = num(600.0, ge=0, le=MAX_SECONDS, resume=True,
+                                  help="the window over which max_restarts counts")
+    backoff_base_s: float = num(0.5, ge=0, le=MAX_SECONDS, resume=True,
+                                help="first wait before restarting a producer, doubled per restart in the window")
+    backoff_max_s: float = num(15.0, ge=0, le=MAX_SECONDS, resume=True, help="longest wait before a restart")
+    shutdown_timeout_s: float = num(120.0, ge=0, le=MAX_SECONDS, resume=True,
+                                    help="a consumer silent this long after Shutdown is terminated (a checkpoint "
+                                         "write is silent)")
+    batch_timeout_s: float = num(1800.0, gt=0, le=MAX_SECONDS, aliases=("--batch-timeout-s",), resume=True,
+                                 help="a child whose main thread is on one batch (forward, training step, "
+                                      "checkpoint) this long while its heartbeat goes on is hung (a deadlock); "
+                                      "at least hang_timeout_s")
 
     def __post_init__(self):
-        check_numbers(self)
+        check_fields(self)
         _require(self.hang_timeout_s > 2 * self.heartbeat_interval_s, "hang_timeout_s",
                  f"must exceed twice heartbeat_interval_s ({self.heartbeat_interval_s})")
         _require(self.batch_timeout_s >= self.hang_timeout_s, "batch_timeout_s",
@@ -276,11 +432,24 @@ class MonitorConfig:
 
 @dataclass(kw_only=True)
 class RunConfig:
-    """Everything a run needs; child processes receive it as ``to_dict()``."""
-    run_dir: str = "runs/default"
-    run_id: str = ""
-    resume: bool = False
-    tcp: str = ""                      # "" = ipc:// sockets in run_dir; else "tcp://HOST:PORT"
+    """Everything a run needs; child processes receive it as ``to_dict()``.
+
+    Besides the fields, the command line fills (not serialised): ``sources`` ("section.field" -> the
+    flag as typed, or "--config FILE: section.field") for error messages, ``cpu_defaults``
+    ("section.field" -> value) for the values that came from a field's CPU default, and
+    ``resume_changes`` (one "--flag OLD -> NEW" per value changed on ``--resume``).
+    """
+    GROUP: ClassVar[str] = "run directory"
+    run_dir: str = setting("runs/default", metavar="DIR",
+                           default_text="a new runs/<UTC time>, linked as runs/latest (with --resume: runs/latest)",
+                           help="run directory: metrics, checkpoints, logs, the socket")
+    run_id: str = setting("", metavar="ID", default_text="random",
+                          help="alphanumeric id that names the run's shared-memory segments and processes")
+    resume: bool = setting(False, help="continue the run in --run-dir from its latest checkpoint, with its saved "
+                                       "configuration; only flags whose help says 'may change on --resume' may "
+                                       "differ from the saved run")
+    tcp: str = setting("", group="topology", metavar="ADDRESS", default_text="an ipc socket in the run directory",
+                       help="TCP address for the control messages, e.g. tcp://127.0.0.1:5555")
     data: DataConfig = field(default_factory=DataConfig)
     ring: RingConfig = field(default_factory=RingConfig)
     producer: ProducerConfig = field(default_factory=ProducerConfig)
@@ -288,23 +457,29 @@ class RunConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
 
     def __post_init__(self):
-        # Where each value came from, for error messages: "section.field" -> "--flag" or "--config F: key"
-        # (filled by the command line; not part of the serialised configuration).
+        if self.run_id:
+            _require(str(self.run_id).isalnum(), "run_id", f"must be alphanumeric, got {self.run_id!r}")
         self.sources: dict[str, str] = {}
+        self.cpu_defaults: dict[str, Any] = {}
+        self.resume_changes: list[str] = []
 
     def origin(self, key: str) -> str:
         """How to name the configuration key ``key`` ("producer.num_target_layers") in an error: the flag
-        or config file it came from (``sources``), else the key itself."""
-        return self.sources.get(key, key)
+        or config file it came from (``sources``), else the field's flag (its first alias, e.g.
+        ``--num-target-layers``), else the key itself."""
+        if key in self.sources:
+            return self.sources[key]
+        spec = field_specs().get(key)
+        return spec.preferred_flag if spec else key
 
     def to_dict(self) -> dict[str, Any]:
+        """The nested plain-data form (JSON/TOML-able) that ``from_dict`` reads back."""
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
         """Build from a (possibly partial) nested mapping; unknown keys raise ``ConfigError`` naming them."""
-        sections = {"data": DataConfig, "ring": RingConfig, "producer": ProducerConfig,
-                    "trainer": TrainerConfig, "monitor": MonitorConfig}
+        sections = section_classes()
         kwargs: dict[str, Any] = {}
         top = {f.name for f in dataclasses.fields(cls)}
         for key, value in d.items():
@@ -312,14 +487,113 @@ class RunConfig:
                 raise ConfigError(f"unknown config key {key!r} (known: {sorted(top)})")
             if key in sections:
                 if not isinstance(value, dict):
-                    raise ConfigError(f"config section {key!r} must be a mapping, got {type(value).__name__}")
+                    raise ConfigError(f"config section {key!r} must be a mapping, got {type(value).__name__}",
+                                      key=key, detail=f"must be a mapping, got {type(value).__name__}")
                 kwargs[key] = _build(sections[key], value, key)
             else:
                 kwargs[key] = value
         top_hints = {k: v for k, v in typing.get_type_hints(cls).items() if k not in sections}
         for k, v in kwargs.items():
             if k in top_hints and not _type_ok(v, top_hints[k]):
-                raise ConfigError(f"{k}: expected {top_hints[k].__name__}, got {type(v).__name__} {v!r}")
-        if kwargs.get("run_id") and not str(kwargs["run_id"]).isalnum():
-            raise ConfigError(f"run_id: must be alphanumeric, got {kwargs['run_id']!r}")
+                detail = f"expected {type_name(top_hints[k])}, got {type(v).__name__} {v!r}"[:300]
+                raise ConfigError(f"{k}: {detail}", key=k, detail=detail)
         return cls(**kwargs)
+
+
+@functools.cache
+def section_classes() -> dict[str, type]:
+    """``{"data": DataConfig, "ring": RingConfig, ...}``: the sections of ``RunConfig``, in order."""
+    hints = typing.get_type_hints(RunConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])}
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One declared config field and what is derived from it. Metadata keys (set by ``setting``/``num``):
+
+    ``help``; ``ge``/``gt``/``le``/``unit`` (bounds); ``aliases`` (``Alias`` flags besides ``flag``);
+    ``choices``; ``cpu_default`` (the default when every device is CPU, present only when declared);
+    ``resume`` (may change on ``--resume``); ``group`` (``--help`` group, else the class's ``GROUP``);
+    ``metavar``; ``path`` (a file or directory: shown as PATH, compared resolved); ``default_text`` (how
+    ``--help`` shows the default when the value alone does not say it);
+    ``machine_default`` (a callable giving the command line's default on this machine); ``follows`` (the
+    key of a field whose value this one takes when only that one is set); ``filled_at_start`` (the
+    default, 0/none/empty, is resolved when the run starts: on ``--resume`` it stands for the saved value).
+    """
+    section: str        # "" for RunConfig's own fields
+    name: str
+    hint: Any
+    default: Any
+    meta: Mapping[str, Any]
+    group: str
+
+    @property
+    def key(self) -> str:
+        """``"trainer.lr"``, or ``"run_dir"`` for a field of ``RunConfig`` itself."""
+        return f"{self.section}.{self.name}" if self.section else self.name
+
+    @property
+    def flag(self) -> str:
+        """``--trainer.lr``, ``--monitor.backoff-max-s``, ``--run-dir``."""
+        return "--" + self.key.replace("_", "-")
+
+    @property
+    def aliases(self) -> tuple[Alias, ...]:
+        return self.meta.get("aliases", ())
+
+    @property
+    def preferred_flag(self) -> str:
+        """The flag errors name when the value was not given: the first alias, else ``flag``."""
+        return self.aliases[0].flag if self.aliases else self.flag
+
+    @property
+    def help(self) -> str:
+        return self.meta.get("help", "")
+
+    @property
+    def has_cpu_default(self) -> bool:
+        return "cpu_default" in self.meta
+
+    @property
+    def may_change_on_resume(self) -> bool:
+        return bool(self.meta.get("resume"))
+
+    @property
+    def base_type(self) -> Any:
+        """The annotation without ``| None``: ``int``, ``float``, ``str``, ``bool``, ``list[int]``..."""
+        args = [h for h in typing.get_args(self.hint) if h is not type(None)]
+        return args[0] if typing.get_origin(self.hint) in (typing.Union, types.UnionType) else self.hint
+
+    @property
+    def optional(self) -> bool:
+        """Whether ``None`` is a value of the field (``X | None``)."""
+        union = typing.get_origin(self.hint) in (typing.Union, types.UnionType)
+        return union and type(None) in typing.get_args(self.hint)
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+@functools.cache
+def _specs() -> tuple[FieldSpec, ...]:
+    out = []
+    sections = section_classes()
+    for cls, section in [(RunConfig, "")] + [(c, s) for s, c in sections.items()]:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if not section and f.name in sections:
+                continue
+            out.append(FieldSpec(section, f.name, hints[f.name], _default_of(f), f.metadata,
+                                 f.metadata.get("group") or cls.GROUP))
+    return tuple(out)
+
+
+def field_specs() -> dict[str, FieldSpec]:
+    """Every declared field of ``RunConfig`` by key (``"run_dir"``, ``"trainer.lr"``), in declaration
+    order: ``RunConfig``'s own fields, then each section's."""
+    return {s.key: s for s in _specs()}

@@ -158,6 +158,9 @@ DATA_RECORD = "data.json"
 # Config fields that shape the batch order (with the data and the number of consumers): see runplan.
 PLAN_FIELDS = ("data.max_tokens", "data.max_batch_size", "data.bucket_edges", "data.num_buckets", "data.seed",
                "trainer.epochs", "trainer.max_steps", "trainer.grad_accum")
+# Of those, the ones that only set how long the order is (it is always the start of the epochs concatenated):
+# --resume may change them; the data record is then compared on the batches both lengths plan.
+LENGTH_FIELDS = ("trainer.epochs", "trainer.max_steps")
 
 
 def plan_digest(order) -> str:
@@ -193,7 +196,10 @@ def check_resume_data(cfg: RunConfig, plan) -> dict:
     ``data.json``; returns the current ``data_record``. Raises ``ConfigError`` naming ``--resume``, the data
     file and what changed (content, samples and tokens; plan fields; the plan itself) when they differ:
     the checkpoint's batch ids would count as trained against other samples. A run started before
-    ``data.json`` existed cannot be checked: a warning is printed (and ``claim_run_dir`` records it)."""
+    ``data.json`` existed cannot be checked: a warning is printed (and ``claim_run_dir`` records it).
+
+    A changed run length (``LENGTH_FIELDS``: ``--max-steps``, ``--epochs``) is no change of plan: the
+    first batches of the new order (``RunPlan.first_batches``) must be those the run recorded."""
     record = data_record(cfg, plan)
     run_dir = Path(cfg.run_dir)
     if not cfg.resume or checkpoint_step_on_disk(run_dir) is None:
@@ -216,8 +222,11 @@ def check_resume_data(cfg: RunConfig, plan) -> dict:
             f"the run started on {old.get('num_samples')} samples, {old.get('num_tokens')} tokens "
             f"({str(old.get('content_digest'))[:19]}...) of {old.get('data')}; {advice}")
     changed = [f"{k} {old['plan_fields'].get(k)!r} -> {v!r}" for k, v in record["plan_fields"].items()
-               if old.get("plan_fields", {}).get(k) != v]
-    if changed or old.get("plan_digest") != record["plan_digest"]:
+               if old.get("plan_fields", {}).get(k) != v and k not in LENGTH_FIELDS]
+    digest = record["plan_digest"]
+    if isinstance(old.get("planned_batches"), int) and old["planned_batches"] != len(plan.order):
+        digest = plan_digest(plan.first_batches(old["planned_batches"]))  # the run length changed on --resume
+    if changed or old.get("plan_digest") != digest:
         why = ", ".join(changed) if changed else "same data and settings, another batch order (another specring version?)"
         raise ConfigError(f"--resume: the batch plan of {run_dir} changed since the run started ({why}); {advice}")
     return record

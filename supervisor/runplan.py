@@ -15,6 +15,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,6 +48,20 @@ class RunPlan:
     data_digest: str = ""       # TokenDataset.content_digest() of --data: what the run trains on
     data_samples: int = 0
     data_tokens: int = 0
+    batch_plan: Any = None      # the BatchPlan whose epochs, concatenated, ``order`` is the start of
+
+    def first_batches(self, n: int) -> list[BatchInfo]:
+        """The first ``n`` batches of the batch plan's epochs concatenated: the order of a run of ``n``
+        batches with the same data and plan settings, whatever its ``max_steps``/``epochs`` (``order`` is the
+        first ``len(order)`` of them). A resume that changes the run length compares its data record on these."""
+        if n <= len(self.order) or self.batch_plan is None:
+            return self.order[:n]
+        out: list[BatchInfo] = []
+        e = 0
+        while len(out) < n:
+            out.extend(BatchInfo(b.batch_id, b.epoch, b.sample_ids, b.pad_to) for b in self.batch_plan.epoch(e))
+            e += 1
+        return out[:n]
 
     def describe(self, cfg: RunConfig) -> str:
         """Human-readable topology, sizes and shared memory, as printed by ``train --plan``."""
@@ -274,4 +289,5 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     return RunPlan(order=order, total_steps=cfg.trainer.max_steps, batches_per_epoch=per_epoch,
                    slot_bytes=cfg.ring.slot_bytes, ring_bytes=ring_bytes, target_layer_ids=list(ids),
                    hidden_size=H, num_layers=L, dtype_per_producer=dtypes, plan_summary=plan.summary(),
-                   notes=notes, data_digest=ds.content_digest(), data_samples=len(ds), data_tokens=ds.num_tokens)
+                   notes=notes, data_digest=ds.content_digest(), data_samples=len(ds), data_tokens=ds.num_tokens,
+                   batch_plan=plan)

@@ -3,7 +3,8 @@
 Train on D, stop after a checkpoint, rewrite D with `launch.py prepare <other input> --output D` (same
 sample lengths, other tokens: what a lengths-only fingerprint cannot see), then `--resume`: refused with an
 error naming the data, before anything starts or changes. With D restored (prepared again from the first
-input) the resume is accepted; a changed plan-shaping setting is refused naming it.
+input) the resume is accepted, also for a longer or shorter run (--max-steps may change on resume: the
+record is compared on the batches both lengths plan); a changed plan-shaping setting is refused naming it.
 """
 
 from __future__ import annotations
@@ -74,6 +75,12 @@ def test_resume_onto_rewritten_data_is_refused_and_onto_the_same_data_accepted(t
     prepare(a, data)                                   # the same content again (new file, new mtime): accepted
     capsys.readouterr()
     assert train_main(["--run-dir", str(run_dir), "--resume", "--plan"]) == 0, capsys.readouterr().err
+    for steps in ("60", "30"):                           # a longer and a shorter run of the same plan
+        assert train_main(["--run-dir", str(run_dir), "--resume", "--plan", "--max-steps", steps]) == 0, \
+            capsys.readouterr().err
+        assert f"changed: --max-steps 40 -> {steps}" in capsys.readouterr().err
+    assert train_main(["--run-dir", str(run_dir), "--resume", "--plan", "--max-tokens", "256"]) == 2
+    assert "--resume: --max-tokens cannot change when resuming (the run trained with 512)" in capsys.readouterr().err
 
     saved = json.loads((run_dir / "config.json").read_text())   # a plan-shaping setting edited by hand
     saved["data"]["seed"] = 7

@@ -1,0 +1,472 @@
+"""The flags of ``launch.py train``, derived from the config declaration (``specring.shared.config``).
+
+Nothing here names a config field: every field declared with ``setting``/``num`` becomes
+
+* a flag ``--SECTION.FIELD-NAME`` (``--trainer.grad-clip``; ``--run-dir`` for ``RunConfig``'s own fields)
+  plus its declared aliases (``--lr``; ``--slot-mb`` with its scale), parsed by its type: ``int``/``float``
+  through ``finite_number``, ``bool`` as ``--x``/``--no-x`` (``--x=false`` too), lists as comma lists,
+  ``X | None`` accepting ``none``, choices checked;
+* a line of ``--help``, in its group, with its default (and CPU default, and whether it may change on
+  ``--resume``);
+* a key of ``--config FILE`` (TOML or YAML; unknown keys refused by name).
+
+Order of precedence: the field's default (its machine default for the device lists), then ``--config
+FILE``, then flags; a field that follows another (``data.seed`` follows ``trainer.seed``) takes its value
+when only that one is set; then, when every device is CPU, each CPU default the user did not set. With
+``--resume`` the saved ``config.json`` of the run is the base instead, and a flag may only change it where
+its field says so (``config_from_args``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import textwrap
+import typing
+from pathlib import Path
+from typing import Any, Callable
+
+from specring.shared.config import Alias, FieldSpec, RunConfig, field_specs, finite_number, section_classes
+from specring.shared.errors import ConfigError
+
+GROUPS = {  # --help groups, in order: title -> description
+    "topology": "where the processes run: producers (each runs the target) and consumers (each trains the "
+                "drafter, one data-parallel rank), and how they talk",
+    "target & capture": "the target model and the layers whose hidden states the producers capture",
+    "drafter & training": "the DFlash drafter, its loss and optimisation, and tau (acceptance length) measured "
+                          "during training",
+    "data": "the tokenized data and the batch plan",
+    "rings": "one shared-memory ring per producer; each slot holds the hidden states of one batch",
+    "health monitor": "heartbeats, hang detection and producer restarts (durations in seconds)",
+    "run directory": "where the run keeps its records, and continuing it",
+}
+
+DESCRIPTION = """\
+Train a DFlash drafter from a target's hidden states: producers (each runs the target and captures its
+hidden states) and consumers (drafter trainers) run as separate processes joined by shared-memory rings.
+
+Every configuration field is a flag --SECTION.FIELD-NAME (sections: data, ring, producer, trainer,
+monitor; --run-dir, --resume, --tcp and --run-id have none); the common ones also have a short alias
+(--lr, --producers, --slot-mb, ...). --config FILE sets the same fields from TOML or YAML ([trainer] lr =
+3e-4); flags override the file. When every producer and consumer is on CPU, the fields that show an
+"on CPU" default use it unless set. Lists are comma lists (1,9,17); "none" clears a field that allows it;
+a yes/no field takes --FLAG or --no-FLAG."""
+
+EPILOG = """\
+examples:
+  launch.py train                                   the embedded default: fixture target, demo corpus
+  launch.py train --plan                            print the resolved run (and its CPU defaults); start nothing
+  launch.py train --target /models/Qwen3-8B --data data/train.arrow --producers cuda:0,cuda:1 \\
+      --consumers cuda:2 --target-layers 1,9,17,25,33 --max-tokens 32768 --epochs 1 --run-dir runs/q8
+  launch.py train --config run.toml --lr 3e-4       the file, with one value overridden
+  launch.py train --trainer.grad-clip 0.5 --monitor.backoff-max-s 30 --data.bucket-edges 64,256,1024
+  launch.py train --resume --max-steps 2000         continue runs/latest for longer
+  launch.py train --run-dir runs/q8 --resume --hang-timeout-s 300"""
+
+
+# ---------------------------------------------------------------------------------------------- values
+
+def show(value: Any, scale: int = 1, unit: str = "") -> str:
+    """A value as the command line writes it: ``none``, ``on``/``off``, comma lists, ``0.0006``; numbers
+    divided by ``scale`` and followed by ``unit`` (``--slot-mb``)."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return ",".join(show(v) for v in value) or "[]"
+    if isinstance(value, (int, float)) and scale != 1:
+        value = value / scale
+    if isinstance(value, float):
+        text = f"{value:g}"
+    elif isinstance(value, str) and not value:
+        text = '""'
+    else:
+        text = str(value)
+    return f"{text} {unit}" if unit else text
+
+
+def value_parser(spec: FieldSpec, alias: Alias | None = None) -> Callable[[str], Any]:
+    """The ``argparse`` ``type=`` of a field's flag (``alias``: of that alias, with its scale)."""
+    base, scale = spec.base_type, (alias.scale if alias else 1)
+    choices = spec.meta.get("choices") or ()
+    if typing.get_origin(base) is list:
+        (item,) = typing.get_args(base)
+        one = finite_number(item, scale) if item in (int, float) else str
+
+        def parse_value(text: str) -> Any:
+            parts = [p.strip() for p in text.split(",") if p.strip()]
+            if not parts:
+                raise argparse.ArgumentTypeError(f"expected a comma-separated list such as "
+                                                 f"{'1,9,17' if item is int else 'cpu,cpu or cuda:0,cuda:1'}, "
+                                                 f"got {text!r}")
+            return [one(p) for p in parts]
+    elif base in (int, float):
+        parse_value = finite_number(base, scale)
+    else:
+        def parse_value(text: str) -> Any:
+            if choices and text not in choices:
+                raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+            return text
+
+    def parse(text: str) -> Any:
+        if spec.optional and text.strip().lower() == "none":
+            return None
+        return parse_value(text)
+
+    parse.__name__ = getattr(base, "__name__", "value")
+    return parse
+
+
+_TRUE, _FALSE = ("true", "on", "yes", "1"), ("false", "off", "no", "0")
+
+
+def _error(option_string: str, message: str) -> argparse.ArgumentError:
+    """An argparse error that names the flag as typed (argparse itself would name all of a field's flags)."""
+    return argparse.ArgumentError(None, f"argument {option_string}: {message}")
+
+
+class _FieldAction(argparse.Action):
+    """Parse a field's value (``parse``, see ``value_parser``), store it under the field's key (``dest``) and
+    remember the flag as typed (``ns.flag_of``), so that errors name the flag the user wrote."""
+
+    def __init__(self, option_strings, dest, parse: Callable[[str], Any] | None = None, **kw):
+        self.parse = parse
+        super().__init__(option_strings, dest, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if self.parse is not None:
+            try:
+                values = self.parse(values)
+            except argparse.ArgumentTypeError as e:
+                raise _error(option_string, str(e)) from None
+        setattr(namespace, self.dest, values)
+        vars(namespace).setdefault("flag_of", {})[self.dest] = option_string
+
+
+class _BoolAction(_FieldAction):
+    """``--x`` (on), ``--no-x`` (off), ``--x=false``; ``--x=none`` for a ``bool | None`` field."""
+
+    def __init__(self, option_strings, dest, optional=False, negatives=(), **kw):
+        self.optional, self.negatives = optional, set(negatives)
+        super().__init__(option_strings, dest, nargs="?", **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        negative = option_string in self.negatives
+        if values is None:
+            value: bool | None = not negative
+        elif negative:
+            raise _error(option_string, "takes no value")
+        elif values.lower() in _TRUE or values.lower() in _FALSE:
+            value = values.lower() in _TRUE
+        elif self.optional and values.lower() == "none":
+            value = None
+        else:
+            raise _error(option_string, f"expected true or false{' or none' if self.optional else ''}, "
+                                        f"got {values!r}")
+        super().__call__(parser, namespace, value, option_string)
+
+
+def _negative(flag: str) -> str:
+    """``--ring.checksum`` -> ``--ring.no-checksum``, ``--checksum`` -> ``--no-checksum``."""
+    head, _, name = flag[2:].rpartition(".")
+    return "--" + (head + "." if head else "") + "no-" + name
+
+
+# ------------------------------------------------------------------------------------------------ help
+
+def metavar(spec: FieldSpec, alias: Alias | None = None) -> str:
+    """``N``, ``X``, ``PATH``, ``N,N,...``, ``{auto,flex}``, ``X|none``, ``MIB`` (a scaled alias)."""
+    base = spec.base_type
+    if alias and alias.unit:
+        text = alias.unit.upper()
+    elif spec.meta.get("metavar"):
+        text = spec.meta["metavar"]
+    elif spec.meta.get("path"):
+        text = "PATH"
+    elif spec.meta.get("choices"):
+        text = "{" + ",".join(spec.meta["choices"]) + "}"
+    elif typing.get_origin(base) is list:
+        text = "N,N,..." if typing.get_args(base)[0] is int else "DEV,DEV,..."
+    else:
+        text = {int: "N", float: "X"}.get(base, "TEXT")
+    return text + "|none" if spec.optional else text
+
+
+def default_help(spec: FieldSpec, alias: Alias | None = None) -> str:
+    """``(default: 8192; on CPU 2048; may change on --resume)``: what ``--help`` appends to a field's line."""
+    scale, unit = (alias.scale, alias.unit) if alias else (1, "")
+    parts = [spec.meta.get("default_text") or show(spec.default, scale, unit if spec.default else "")]
+    if spec.has_cpu_default:
+        parts.append(f"on CPU {show(spec.meta['cpu_default'], scale, unit)}")
+    if spec.meta.get("follows"):
+        parts.append(f"{field_specs()[spec.meta['follows']].preferred_flag} when only that is set")
+    if spec.may_change_on_resume:
+        parts.append("may change on --resume")
+    return "(default: " + "; ".join(parts) + ")"
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Field flags as ``--trainer.lr, --lr X`` (one metavar), yes/no flags as ``--ring.[no-]checksum``."""
+
+    def __init__(self, prog: str):
+        super().__init__(prog, max_help_position=38)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        shown = getattr(action, "invocation", None)
+        return shown if shown else super()._format_action_invocation(action)
+
+
+def _add_field(group, spec: FieldSpec) -> None:
+    """The flags of one field: ``--SECTION.FIELD`` with its unscaled aliases, and one action per scaled alias."""
+    plain = [a for a in spec.aliases if a.scale == 1]
+    scaled = [a for a in spec.aliases if a.scale != 1]
+    help_ = f"{spec.help} {default_help(spec)}".replace("%", "%%")
+    if spec.base_type is bool:
+        flags = [spec.flag] + [a.flag for a in plain]
+        negatives = [_negative(f) for f in flags]
+        a = group.add_argument(*flags, *negatives, dest=spec.key, action=_BoolAction, optional=spec.optional,
+                               negatives=negatives, default=argparse.SUPPRESS, help=help_)
+        a.invocation = ", ".join(f.replace("--", "--[no-]") if "." not in f else f.replace(".", ".[no-]")
+                                 for f in flags) + (" [=none]" if spec.optional else "")
+        return
+    mv = metavar(spec)
+    a = group.add_argument(spec.flag, *[x.flag for x in plain], dest=spec.key, action=_FieldAction,
+                           parse=value_parser(spec), default=argparse.SUPPRESS, metavar=mv, help=help_)
+    a.invocation = ", ".join([spec.flag] + [x.flag for x in plain]) + " " + mv
+    for alias in scaled:
+        mv = metavar(spec, alias)
+        a = group.add_argument(alias.flag, dest=spec.key, action=_FieldAction, parse=value_parser(spec, alias),
+                               default=argparse.SUPPRESS, metavar=mv,
+                               help=f"{spec.flag} in {alias.unit} {default_help(spec, alias)}".replace("%", "%%"))
+        a.invocation = f"{alias.flag} {mv}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``launch.py train``: ``--config``, ``--plan`` and one flag (with aliases) per config field,
+    grouped by concern. Field values land in the namespace under their key (``"trainer.lr"``) only when given."""
+    ap = argparse.ArgumentParser(prog="launch.py train", description=DESCRIPTION, epilog=EPILOG,
+                                 formatter_class=HelpFormatter,
+                                 usage="launch.py train [--config FILE] [--plan] [--SECTION.FIELD VALUE | "
+                                       "--ALIAS VALUE ...]")
+    ap.add_argument("--config", default=None, metavar="FILE",
+                    help="TOML or YAML file with the sections of the configuration ([data], [ring], [producer], "
+                         "[trainer], [monitor]) and the run's own keys; flags override it")
+    ap.add_argument("--plan", action="store_true", help="print the resolved topology, sizes and which values came "
+                                                        "from CPU defaults; start nothing")
+    specs = list(field_specs().values())
+    unknown = {s.group for s in specs} - set(GROUPS)
+    assert not unknown, f"config fields in groups without a title: {unknown}"
+    for title, description in GROUPS.items():
+        group = ap.add_argument_group(title, textwrap.fill(description, 100))
+        for spec in sorted((s for s in specs if s.group == title), key=lambda s: not s.section):
+            _add_field(group, spec)  # a group's section fields first, then RunConfig's own (--tcp)
+    return ap
+
+
+# ------------------------------------------------------------------------------------------ --config
+
+def load_config_file(path: str) -> dict[str, Any]:
+    """The values of a TOML/YAML config file by key (``{"trainer.lr": 3e-4, "run_dir": "runs/x"}``).
+
+    Raises ``ConfigError`` naming the file when it is missing or unreadable, a section is not a mapping, or
+    a key is not a config field (the message lists the section's fields). Types and ranges are checked
+    later, by the dataclasses (``RunConfig.from_dict``)."""
+    d = _read_file(path)
+    specs, sections = field_specs(), section_classes()
+    top = [s.key for s in specs.values() if not s.section] + list(sections)
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if key in sections:
+            if not isinstance(value, dict):
+                raise ConfigError(f"--config {path}: {key}: must be a mapping (a [{key}] section), got "
+                                  f"{type(value).__name__}")
+            for name, v in value.items():
+                if f"{key}.{name}" not in specs:
+                    known = [s.name for s in specs.values() if s.section == key]
+                    raise ConfigError(f"--config {path}: unknown key {name!r} in section [{key}] (its fields: "
+                                      f"{', '.join(known)})")
+                out[f"{key}.{name}"] = v
+        elif key in specs:
+            out[key] = value
+        else:
+            raise ConfigError(f"--config {path}: unknown key {key!r} (known: {', '.join(top)})")
+    return out
+
+
+def _read_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: {p} does not exist")
+    text = p.read_text()
+    if p.suffix == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            import tomli as tomllib  # type: ignore
+        try:
+            return tomllib.loads(text)
+        except Exception as e:
+            raise ConfigError(f"--config: {p} is not valid TOML: {e}") from None
+    if p.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ModuleNotFoundError:
+            raise ConfigError("--config: YAML needs PyYAML (pip install pyyaml); or use TOML") from None
+        try:
+            d = yaml.safe_load(text)
+        except Exception as e:
+            raise ConfigError(f"--config: {p} is not valid YAML: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"--config: {p} must hold a mapping")
+        return d
+    raise ConfigError(f"--config: {p} must end in .toml, .yaml or .yml")
+
+
+# ---------------------------------------------------------------------------------------- resolution
+
+def given_values(args: argparse.Namespace) -> dict[str, tuple[Any, str]]:
+    """``{key: (value, source)}`` of every field set by ``--config FILE`` or a flag (flags win); the source
+    names it in errors: the flag as typed (``--lr``) or ``--config FILE: trainer.lr``."""
+    given: dict[str, tuple[Any, str]] = {}
+    if getattr(args, "config", None):
+        given.update({k: (v, f"--config {args.config}: {k}") for k, v in load_config_file(args.config).items()})
+    flag_of = getattr(args, "flag_of", {})
+    for spec in field_specs().values():
+        if hasattr(args, spec.key):
+            given[spec.key] = (getattr(args, spec.key), flag_of.get(spec.key, spec.flag))
+    return given
+
+
+def _get(d: dict, key: str) -> Any:
+    section, _, name = key.rpartition(".")
+    return (d[section] if section else d)[name]
+
+
+def _set(d: dict, key: str, value: Any) -> None:
+    section, _, name = key.rpartition(".")
+    (d[section] if section else d)[name] = value
+
+
+def _build(base: dict, sources: dict[str, str]) -> RunConfig:
+    """``RunConfig.from_dict(base)``; a ``ConfigError`` is named by the flag or file key the value came from."""
+    try:
+        cfg = RunConfig.from_dict(base)
+    except ConfigError as e:
+        if e.key:
+            spec = field_specs().get(e.key)
+            name = sources.get(e.key) or (spec.preferred_flag if spec else e.key)
+            raise ConfigError(f"{name}: {e.detail}", key=e.key, detail=e.detail) from None
+        raise ConfigError(f"--config/flags: {e}") from None
+    except TypeError as e:
+        raise ConfigError(f"--config/flags: {e}") from None
+    cfg.sources = sources
+    return cfg
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """RunConfig from the parsed flags of ``launch.py train`` (see the module docstring for the order).
+
+    Raises ``ConfigError`` naming the flag, or the file and key, that a bad value came from
+    (``RunConfig.sources`` keeps that mapping for the checks that come later, ``supervisor.runplan``).
+    ``cfg.cpu_defaults`` lists the CPU defaults applied. With ``--resume`` see ``resumed_config``."""
+    given = given_values(args)
+    if given.get("resume", (False,))[0]:
+        return resumed_config(given)
+    specs = field_specs()
+    base = RunConfig().to_dict()
+    for spec in specs.values():
+        if spec.meta.get("machine_default"):
+            _set(base, spec.key, spec.meta["machine_default"]())
+    sources = {}
+    for key, (value, source) in given.items():
+        _set(base, key, value)
+        sources[key] = source
+    for spec in specs.values():
+        leader = spec.meta.get("follows")
+        if leader and spec.key not in given and leader in given:
+            _set(base, spec.key, given[leader][0])
+            sources[spec.key] = given[leader][1]
+    devices = [_get(base, "producer.devices"), _get(base, "trainer.devices")]
+    if not all(isinstance(d, list) and all(isinstance(x, str) for x in d) for d in devices):
+        raise ConfigError(f"--config: producer.devices and trainer.devices must be lists of device names, "
+                          f"got {devices[0]!r} and {devices[1]!r}")
+    cpu = {}
+    if all(d == "cpu" for d in devices[0] + devices[1]):
+        for spec in specs.values():
+            if spec.has_cpu_default and spec.key not in given:
+                cpu[spec.key] = spec.meta["cpu_default"]
+                _set(base, spec.key, cpu[spec.key])
+    cfg = _build(base, sources)
+    cfg.cpu_defaults = cpu
+    return cfg
+
+
+def _same(spec: FieldSpec, new: Any, old: Any) -> bool:
+    """Whether a value given on ``--resume`` is the saved one: equal; the same path resolved; or, for a
+    field filled when the run starts, its default (which stands for what it was filled with)."""
+    if new == old or (spec.meta.get("filled_at_start") and new == spec.default):
+        return True
+    if spec.meta.get("path") and isinstance(new, str) and isinstance(old, str) and new and old:
+        return Path(new).resolve() == Path(old).resolve()
+    return False
+
+
+def _shown_as(spec: FieldSpec, source: str, value: Any) -> str:
+    """``value`` in the units of the flag ``source`` names (``--slot-mb``: MiB)."""
+    alias = next((a for a in spec.aliases if a.flag == source), None)
+    return show(value, alias.scale, alias.unit) if alias else show(value)
+
+
+def resumed_config(given: dict[str, tuple[Any, str]]) -> RunConfig:
+    """The configuration of ``--resume``: the run's saved ``config.json``, with the given values of fields
+    that may change on resume (``resume=True``: run length, evaluation, checkpoint interval, the health
+    monitor, the data file's path) applied and listed in ``cfg.resume_changes``.
+
+    A given value of any other field must equal the saved one (see ``_same``); otherwise ``ConfigError``
+    names each such flag with the value the run trained with. ``--max-steps`` without ``--epochs`` ends a
+    saved ``--epochs`` (the run then counts steps). No machine, follow or CPU default is applied: the saved
+    values are the run's."""
+    from specring.supervisor.resume import resume_dir
+
+    specs = field_specs()
+    run_dir = Path(resume_dir(given.get("run_dir", ("runs/default",))[0]))
+    saved = run_dir / "config.json"
+    if not saved.is_file():
+        raise ConfigError(f"--resume: {saved} does not exist (nothing to resume in --run-dir {run_dir})")
+    try:
+        base = RunConfig.from_dict(json.loads(saved.read_text())).to_dict()
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--resume: {saved} cannot be read as a run configuration: {e}") from None
+    sources, refused, changes = {}, [], []
+    for key, (value, source) in given.items():
+        if key in ("run_dir", "resume"):
+            continue
+        spec, old = specs[key], _get(base, key)
+        sources[key] = source
+        if _same(spec, value, old):
+            continue
+        if spec.may_change_on_resume:
+            _set(base, key, value)
+            changes.append(f"{source} {_shown_as(spec, source, old)} -> {_shown_as(spec, source, value)}")
+        else:
+            refused.append(f"{source} cannot change when resuming (the run trained with "
+                           f"{_shown_as(spec, source, old)})")
+    if refused:
+        raise ConfigError("--resume: " + "; ".join(refused) + "; start a new run instead")
+    if "trainer.max_steps" in given and "trainer.epochs" not in given and base["trainer"]["epochs"] is not None:
+        changes.append(f"{specs['trainer.epochs'].preferred_flag} {base['trainer']['epochs']} -> none "
+                       f"({given['trainer.max_steps'][1]} counts the run's steps now)")
+        base["trainer"]["epochs"] = None
+    base["run_dir"], base["resume"] = str(run_dir), True  # the directory may have moved since
+    cfg = _build(base, sources)
+    cfg.resume_changes = changes
+    return cfg
+
+
+def cpu_default_lines(cfg: RunConfig) -> list[str]:
+    """One line per value that came from a CPU default (for ``--plan``), e.g.
+    ``data.max_tokens = 2048 (--max-tokens; default 8192 on GPU)``."""
+    specs = field_specs()
+    return [f"{key} = {show(value)}  ({specs[key].preferred_flag}; {show(specs[key].default)} when a GPU is used)"
+            for key, value in cfg.cpu_defaults.items()]
