@@ -85,8 +85,6 @@ class ProducerStats:
     batches: int = 0            # published
     bad_batches: int = 0        # answered with BadBatch
     tokens: int = 0             # real tokens published
-    forward_s: float = 0.0      # wall time of submit() calls (forward + launching the copy)
-    last_batch_id: int = -1
 
 
 @dataclass
@@ -274,7 +272,6 @@ class Producer:
         On CPU everything is done on return; on CUDA the copy may still be running. Pass the result to
         ``complete`` (in submission order) to get the message.
         """
-        t0 = time.perf_counter()
         ids, am, lm, lengths, bid = self._check_batch(batch)
         self.current_batch = bid
         b, s = ids.shape
@@ -337,7 +334,6 @@ class Producer:
         else:
             pending.descriptor, pending.payload_bytes = layout.write_tensors(buf, host)
             pending.finite = finite
-        self.stats.forward_s += time.perf_counter() - t0
         return pending
 
     def complete(self, pending: Pending):
@@ -356,7 +352,6 @@ class Producer:
                                     pending.payload_bytes, checksum=self.checksum)
             self.stats.batches += 1
             self.stats.tokens += pending.num_tokens
-            self.stats.last_batch_id = pending.batch_id
             return messages.SlotReady(producer=self.index, generation=self.generation, slot=pending.slot,
                                       batch_id=pending.batch_id, seq=pending.seq, descriptor=pending.descriptor,
                                       payload_bytes=pending.payload_bytes, num_tokens=pending.num_tokens,

@@ -61,8 +61,6 @@ class ProducerState:
     generation: int = 1
     live: bool = False          # a Hello of the current generation has arrived
     slots: list[Slot] = field(default_factory=list)
-    seq: int = 0
-    restarts: int = 0
 
 
 class Coordinator:
@@ -126,10 +124,6 @@ class Coordinator:
         return [b for b in self.order if b not in self.trained and b not in self.bad]
 
     # ------------------------------------------------------------------ producer life cycle
-    def producer_started(self, p: int) -> int:
-        """The supervisor started producer ``p``; returns the generation it must run as."""
-        return self.producers[p].generation
-
     def producer_died(self, p: int) -> int:
         """Producer ``p`` has exited and been reaped: fence it and reclaim its unpublished slots.
 
@@ -146,7 +140,6 @@ class Coordinator:
                 ps.slots[i] = Slot()
         ps.generation += 1
         ps.live = False
-        ps.restarts += 1
         log.info("fence producer=%d generation=%d requeued=%s", p, ps.generation, reclaimed)
         return ps.generation
 

@@ -351,7 +351,6 @@ class Supervisor:
             if child.proc is not None and child.proc.poll() is not None and child.state not in ("backoff", "failed", "exited"):
                 self._exited(child)
                 code = child.proc.returncode
-                child.last_exitcode = code
                 graceful = child.graceful_restart
                 old_gen = child.generation
                 child.generation = co.producer_died(child.index)
@@ -380,7 +379,6 @@ class Supervisor:
             if child.proc is not None and child.proc.poll() is not None and child.state not in ("exited", "failed"):
                 self._exited(child)
                 code = child.proc.returncode
-                child.last_exitcode = code
                 if code == 0 and self.stop_reason:
                     child.state = "exited"
                     continue
@@ -510,11 +508,9 @@ class Supervisor:
             if c.alive():
                 log.warning("consumer=%d still running %.1fs after shutdown (quiet %.1fs); terminating", c.index,
                             time.monotonic() - start, time.monotonic() - max(c.last_heartbeat, c.last_progress))
-            elif c.proc is not None and c.state == "stopping":
-                c.last_exitcode = c.proc.returncode
-                if c.proc.returncode != 0:
-                    log.error("consumer_died_at_shutdown consumer=%d exitcode=%s error=%s", c.index,
-                              c.proc.returncode, self.consumer_error or "-")
+            elif c.proc is not None and c.state == "stopping" and c.proc.returncode != 0:
+                log.error("consumer_died_at_shutdown consumer=%d exitcode=%s error=%s", c.index,
+                          c.proc.returncode, self.consumer_error or "-")
         for c in self.producers:
             if c.alive():
                 c.state = "stopping"
@@ -528,10 +524,9 @@ class Supervisor:
         deadline = time.monotonic() + timeout
         for c in self.consumers + self.producers:
             if c.proc is not None:
-                code = terminate(c.proc, max(0.0, deadline - time.monotonic()))
+                terminate(c.proc, max(0.0, deadline - time.monotonic()))
                 if c.state not in ("failed",):
                     c.state = "exited"
-                c.last_exitcode = code
         deadline = time.monotonic() + ORPHAN_REAP_S
         while self._kill_orphans() and time.monotonic() < deadline:
             time.sleep(0.02)
