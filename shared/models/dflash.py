@@ -577,7 +577,3 @@ def build_drafter(dcfg: DFlashConfig, target_dir: str | Path | None = None, devi
     if target_dir is not None:
         model.load_target_head(target_dir)
     return model
-
-
-def num_trainable_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
