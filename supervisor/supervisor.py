@@ -67,6 +67,7 @@ from specring.supervisor.peers import CommandGate, LogLimiter
 from specring.supervisor.progress import Progress
 from specring.supervisor.resume import checkpoint_step_on_disk, read_checkpoint_batches
 from specring.supervisor.runplan import RunPlan
+from specring.supervisor.status import write_status
 
 log = logging.getLogger(__name__)
 
@@ -467,7 +468,7 @@ class Supervisor:
                 next_status = now + STATUS_EVERY_S
                 self._kill_orphans()  # e.g. a daemon that a live child's helper double-forked
                 self.progress.refresh(co, self.producers, self.tokens_per_s())
-                self._write_status()
+                write_status(self.run_dir, self.run_id, self.status_rows())
 
     def tokens_per_s(self) -> float:
         """Target tokens trained per second between the first and the latest optimizer step (all ranks;
@@ -543,12 +544,6 @@ class Supervisor:
             except FileNotFoundError:
                 pass
         log.info("cleanup rings=%d socket=%s", len(self.rings), addr)
-
-    def _write_status(self) -> None:
-        p = self.run_dir / "status.json"
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "run_id": self.run_id, "rows": self.status_rows()}))
-        os.replace(tmp, p)
 
     def _checkpoint_from_disk(self) -> None:
         """Take ``checkpoints/latest`` as the last checkpoint when it is newer than the last one reported."""

@@ -27,8 +27,7 @@ from specring.shared.data.dataset import (
     collate,
     sidecar_path,
 )
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.support import REPO
 
 
 def write_arrow(path: Path, rows: list[tuple[list[int], list[int]]], chunk_rows: int = 1000,
@@ -208,9 +207,9 @@ print(hashlib.sha1(repr([(x.batch_id, x.sample_ids, x.pad_to) for x in b]).encod
 
 def test_plan_identical_in_another_process():
     # A second interpreter with a different hash seed: nothing may depend on hash() or process state.
-    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120,
-                         env=env, cwd=REPO_ROOT, check=True).stdout.strip()
+                         env=env, cwd=REPO, check=True).stdout.strip()
     assert out == _digest(_plan(LENGTHS).epoch(2))
 
 
