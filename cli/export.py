@@ -54,6 +54,7 @@ from safetensors import safe_open
 
 from specring.cli.hf_model import modeling_source
 from specring.shared import checkpoint as ckpt
+from specring.shared.devices import MODEL_DTYPES as DTYPES  # the dtypes an export may be written in
 from specring.shared.models.dflash import (
     EMBED_KEY,
     FROZEN_KEYS,
@@ -73,7 +74,6 @@ PROVENANCE_FILE = "specring_export.json"
 MODELING_FILE = "modeling_dflash.py"
 ARCHITECTURE = "DFlashDraftModel"
 AUTO_MAP = {"AutoModel": f"{MODELING_FILE[:-3]}.{ARCHITECTURE}"}
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def reference_weight_names(num_draft_layers: int) -> set[str]:

@@ -45,8 +45,8 @@ import torch
 from specring.producers.producer import Pending, Producer
 from specring.shared import faults
 from specring.shared.data.dataset import TokenDataset, collate
+from specring.shared.devices import resolve_device
 from specring.shared.errors import ConfigError, MessageError, SlotError
-from specring.shared.models.target import resolve_device
 from specring.shared.procs import ChildContext, child_main
 from specring.shared.transport import messages
 from specring.shared.transport.ring import Ring

@@ -43,6 +43,7 @@ from typing import Iterable
 import torch
 
 from specring.shared.config import ProducerConfig
+from specring.shared.devices import resolve_device
 from specring.shared.errors import ConfigError, PayloadTooLarge
 from specring.shared.models.target import (
     LayerCapture,
@@ -53,7 +54,6 @@ from specring.shared.models.target import (
     hidden_size,
     load_target,
     num_decoder_layers,
-    resolve_device,
     resolve_layer_ids,
 )
 from specring.shared.transport import layout, messages

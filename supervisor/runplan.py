@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from specring.shared.config import RunConfig
+from specring.shared.devices import DTYPE_NAMES, resolve_device, resolve_dtype
 from specring.shared.errors import ConfigError
 from specring.shared.transport import layout
 from specring.shared.transport.ring import PAGE, segment_bytes, shm_free_bytes
@@ -26,7 +27,6 @@ from specring.supervisor.coordinator import BatchInfo
 
 log = logging.getLogger(__name__)
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 MAX_PLANNED_BATCHES = 10**7   # batches of one run's order (each a BatchInfo in the coordinator's ledger)
 
 
@@ -69,19 +69,13 @@ class RunPlan:
         return "\n".join(lines)
 
 
-def check_device(spec: str, flag: str) -> None:
-    """Raise ``ConfigError`` naming ``flag`` if ``spec`` is not a device this machine has."""
-    if spec == "cpu":
-        return
-    if spec.startswith("cuda"):
-        idx = int(spec.split(":", 1)[1]) if ":" in spec and spec.split(":", 1)[1].isdigit() else 0 if spec == "cuda" else None
-        if idx is None:
-            raise ConfigError(f"{flag}: cannot parse device {spec!r} (use cpu or cuda:N)")
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if idx >= count:
-            raise ConfigError(f"{flag}: device {spec} does not exist (this machine has {count} CUDA device(s))")
-        return
-    raise ConfigError(f"{flag}: unknown device {spec!r} (use cpu or cuda:N)")
+def check_device(spec: str, flag: str) -> torch.device:
+    """``spec`` as a device of this machine (``shared.devices.resolve_device``); ``ConfigError`` naming ``flag``
+    if it is not one."""
+    try:
+        return resolve_device(spec)
+    except ConfigError as e:
+        raise ConfigError(f"{flag}: {e}") from None
 
 
 def target_shape(target: str) -> dict:
@@ -98,11 +92,11 @@ def target_shape(target: str) -> dict:
     return d
 
 
-def slot_bytes_for(max_real_tokens: int, max_batch_size: int, num_layers: int, hidden: int, dtype: str,
+def slot_bytes_for(max_real_tokens: int, max_batch_size: int, num_layers: int, hidden: int, dtype: torch.dtype,
                    label_source: str = "data", topk: int = 0) -> int:
-    """Bytes of the largest payload (``shared.layout.slot_payload_specs``), rounded up to 4 KiB."""
-    specs = layout.slot_payload_specs(max_real_tokens, max_batch_size, num_layers, hidden, layout.DTYPES[dtype],
-                                      label_source, topk)
+    """Bytes of the largest payload (``shared.layout.slot_payload_specs``) with ``hidden`` in ``dtype``,
+    rounded up to 4 KiB."""
+    specs = layout.slot_payload_specs(max_real_tokens, max_batch_size, num_layers, hidden, dtype, label_source, topk)
     need = layout.payload_bytes(specs)
     return (need + PAGE - 1) // PAGE * PAGE
 
@@ -191,8 +185,7 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         resolve_layer_ids,
     )
 
-    for i, d in enumerate(cfg.producer.devices):
-        check_device(d, "--producers")
+    producer_devices = [check_device(d, "--producers") for d in cfg.producer.devices]
     for d in cfg.trainer.devices:
         check_device(d, "--consumers")
     shape = target_shape(cfg.producer.target)
@@ -252,11 +245,8 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         notes.append(f"{len(order) - usable} trailing batch(es) dropped so every consumer takes the same steps")
         order = order[:usable]
     cfg.trainer.max_steps = usable // per_step
-    dtypes = []
-    for d in cfg.producer.devices:
-        dt = cfg.producer.dtype if cfg.producer.dtype != "auto" else ("bfloat16" if d.startswith("cuda") else "float32")
-        dtypes.append(dt)
-    widest = max(dtypes, key=lambda d: DTYPE_BYTES[d])
+    dtypes = [resolve_dtype(cfg.producer.dtype, d) for d in producer_devices]
+    widest = max(dtypes, key=lambda d: d.itemsize)
     max_real = max(dc.max_tokens, int(ds.lengths.max()))
     need_slot = slot_bytes_for(max_real, dc.max_batch_size, len(ids), H, widest, cfg.trainer.label_source,
                                cfg.trainer.distill_topk)
@@ -273,5 +263,5 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
                           f"{free / 2**20:.1f} MiB is free")
     return RunPlan(order=order, total_steps=cfg.trainer.max_steps, batches_per_epoch=per_epoch,
                    slot_bytes=cfg.ring.slot_bytes, ring_bytes=ring_bytes, target_layer_ids=list(ids),
-                   hidden_size=H, num_layers=L, dtype_per_producer=dtypes, plan_summary=plan.summary(),
+                   hidden_size=H, num_layers=L, dtype_per_producer=[DTYPE_NAMES[d] for d in dtypes], plan_summary=plan.summary(),
                    notes=notes, data_digest=ds.content_digest(), data_samples=len(ds), data_tokens=ds.num_tokens)

@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from specring.shared.devices import resolve_device, resolve_dtype
 from specring.shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 # ------------------------------------------------------------------------------------------------ layer ids
@@ -115,46 +113,6 @@ def resolve_layer_ids(num_layers: int, ids: Sequence[int] | None, n: int | None 
 
 def _layer_error(key: str, detail: str) -> ConfigError:
     return ConfigError(f"{key}: {detail}", key=key, detail=detail)
-
-
-# ------------------------------------------------------------------------------------------------ devices
-_DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
-
-
-def resolve_device(spec: str | torch.device) -> torch.device:
-    """Validate a device string (``"cpu"``, ``"cuda"``, ``"cuda:N"``) against this machine.
-
-    Raises ``ConfigError`` naming the device for an unknown kind, CUDA requested where there is none, or an
-    index past ``torch.cuda.device_count()``. ``"cuda"`` resolves to ``cuda:0``.
-    """
-    text = str(spec).strip()
-    m = _DEVICE_RE.match(text)
-    if not m:
-        raise ConfigError(f"device {text!r} is not understood: use cpu, cuda or cuda:N")
-    kind, index = m.group(1), m.group(2)
-    if kind == "cpu":
-        if index not in (None, "0"):
-            raise ConfigError(f"device {text!r}: cpu takes no index")
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError(f"device {text!r} does not exist: CUDA is not available on this machine")
-    count = torch.cuda.device_count()
-    idx = int(index) if index is not None else 0
-    if idx >= count:
-        raise ConfigError(f"device {text!r} does not exist: this machine has {count} CUDA device(s) "
-                          f"(cuda:0..cuda:{count - 1})")
-    return torch.device("cuda", idx)
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"`` is bfloat16 on CUDA and float32 on CPU; otherwise the named dtype (``ConfigError`` if unknown)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
 
 
 # ------------------------------------------------------------------------------------------------ loading
