@@ -62,9 +62,10 @@ from specring.shared.models.dflash import (
     DFlashConfig,
     DFlashDrafter,
     _rope_theta,
-    _text_config,
     read_target_head,
 )
+from specring.shared.models.target_config import read_target_config
+from specring.shared.models.target_config import text_config as _text_config
 
 logger = logging.getLogger(__name__)
 
@@ -89,10 +90,7 @@ def reference_weight_names(num_draft_layers: int) -> set[str]:
 
 
 def _target_config(target_dir: Path) -> tuple[dict, dict]:
-    path = target_dir / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"--target: {target_dir} has no config.json (not a Hugging Face checkpoint)")
-    raw = json.loads(path.read_text())
+    raw = read_target_config(target_dir)
     return raw, _text_config(raw)
 
 

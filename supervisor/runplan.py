@@ -11,7 +11,6 @@ of ``consumers · grad_accum`` so every data-parallel rank takes the same number
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from specring.shared.config import RunConfig
 from specring.shared.devices import DTYPE_NAMES, resolve_device, resolve_dtype
 from specring.shared.errors import ConfigError
+from specring.shared.models.target_config import read_target_config, text_config
 from specring.shared.transport import layout
 from specring.shared.transport.ring import PAGE, segment_bytes, shm_free_bytes
 from specring.supervisor.coordinator import BatchInfo
@@ -80,15 +80,10 @@ def check_device(spec: str, flag: str) -> torch.device:
 
 def target_shape(target: str) -> dict:
     """``hidden_size``, ``num_hidden_layers`` (and the rest of ``config.json``) of a local target checkpoint."""
-    path = Path(target)
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"--target: {path} is not a Hugging Face checkpoint directory (no config.json)")
-    d = json.loads(cfg_path.read_text())
-    d = d.get("text_config", d)
+    d = text_config(read_target_config(target))
     for key in ("hidden_size", "num_hidden_layers"):
         if key not in d:
-            raise ConfigError(f"--target: {cfg_path} has no {key!r}")
+            raise ConfigError(f"--target: {Path(target) / 'config.json'} has no {key!r}")
     return d
 
 

@@ -19,7 +19,6 @@ not exist) raises ``shared.errors.ConfigError`` with a message that names the id
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Callable, Sequence
@@ -29,6 +28,7 @@ from torch import nn
 
 from specring.shared.devices import resolve_device, resolve_dtype
 from specring.shared.errors import ConfigError
+from specring.shared.models.target_config import read_target_config
 
 log = logging.getLogger(__name__)
 
@@ -130,13 +130,8 @@ def check_checkpoint(path: str | Path):
         raise ConfigError(f"target checkpoint directory {str(path)!r} does not exist")
     if not path.is_dir():
         raise ConfigError(f"target {str(path)!r} is not a directory (expected a Hugging Face checkpoint directory)")
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"target {str(path)!r} has no config.json: not a Hugging Face checkpoint")
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"target {str(path)!r}: config.json cannot be read: {e}") from None
-    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    raw = read_target_config(path, flag=f"target {str(path)!r}")
+    model_type = raw.get("model_type")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ConfigError(f"target {str(path)!r} is not a causal language model: model_type {model_type!r} "
                           f"has no AutoModelForCausalLM class")
