@@ -357,10 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``launch.py export``: 0 on success, 2 when the checkpoint is refused or a flag is wrong."""
-    from specring.cli.eval import configure_cli_logging
+    from specring.shared.logs import configure_logging
 
     args = build_parser().parse_args(argv)
-    configure_cli_logging("export")
+    configure_logging("export")
     try:
         out = export_drafter(args.drafter, args.output, args.target, args.dtype, args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
