@@ -25,23 +25,23 @@ What is guaranteed:
 * ``submit``/``complete`` split ``run_batch`` so the process can keep one batch in flight: the copy of
   batch k overlaps the forward of batch k+1, and each ``SlotReady`` still follows its own event.
 
-Fault injection (tests only): ``inject_nonfinite`` (constructor) or the environment variable
-``SPECRING_INJECT_NONFINITE="<batch_id>,<batch_id>,..."`` (read by ``from_config``) puts a NaN into the
-captured hidden states of those batches, before the finite check, so the real check must catch it.
-``slow_write_s`` sleeps between writing the payload and publishing it (``SPECRING_SLOW_WRITE_S`` in the
-process), so a test can kill a producer while its slot is WRITING.
+Fault injection (tests only): ``inject_nonfinite`` (constructor; ``from_config`` reads
+``SPECRING_INJECT_NONFINITE`` through ``shared.faults``) puts a NaN into the captured hidden states of those
+batches, before the finite check, so the real check must catch it. ``slow_write_s`` sleeps between writing
+the payload and publishing it (``SPECRING_SLOW_WRITE_S`` in the process), so a test can kill a producer
+while its slot is WRITING.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 
+from specring.shared import faults
 from specring.shared.config import ProducerConfig
 from specring.shared.devices import resolve_device
 from specring.shared.errors import ConfigError, PayloadTooLarge
@@ -61,22 +61,7 @@ from specring.shared.transport.ring import Ring
 
 log = logging.getLogger(__name__)
 
-INJECT_ENV = "SPECRING_INJECT_NONFINITE"
 BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "lengths", "batch_id")
-
-
-def parse_batch_ids(text: str | None) -> set[int]:
-    """``"3,17, 42"`` -> ``{3, 17, 42}``; empty or None -> empty set. Raises ``ConfigError`` naming a bad entry."""
-    out: set[int] = set()
-    for part in (text or "").split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            out.add(int(part))
-        except ValueError:
-            raise ConfigError(f"{INJECT_ENV}: {part!r} is not a batch id") from None
-    return out
 
 
 @dataclass
@@ -164,7 +149,7 @@ class Producer:
                     slow_write_s: float = 0.0, label_source: str = "data", topk: int = 0) -> "Producer":
         """Load ``cfg.target`` on ``cfg.devices[index]`` and build a producer for it.
 
-        ``inject_nonfinite`` defaults to ``$SPECRING_INJECT_NONFINITE``. Raises ``ConfigError`` for a bad
+        ``inject_nonfinite`` defaults to ``$SPECRING_INJECT_NONFINITE`` (``shared.faults``). Raises ``ConfigError`` for a bad
         index, device, checkpoint or layer ids (see ``producers.target``).
         """
         if not 0 <= index < len(cfg.devices):
@@ -177,9 +162,7 @@ class Producer:
         model, hf_config = load_target(cfg.target, cfg.devices[index], cfg.dtype, random_weights=cfg.random_weights)
         ids = resolve_layer_ids(num_decoder_layers(model), cfg.target_layer_ids, cfg.num_target_layers)
         if inject_nonfinite is None:
-            inject_nonfinite = parse_batch_ids(os.environ.get(INJECT_ENV))
-        if inject_nonfinite:
-            log.warning("fault injection: non-finite hidden states for batches %s", sorted(inject_nonfinite))
+            inject_nonfinite = faults.inject_nonfinite()
         dev = next(model.parameters()).device
         prod = cls(model, ids, ring, generation, dev, index=index, checksum=checksum,
                    inject_nonfinite=inject_nonfinite, slow_write_s=slow_write_s, label_source=label_source,
