@@ -161,7 +161,7 @@ PLAN_FIELDS = ("data.max_tokens", "data.max_batch_size", "data.bucket_edges", "d
 
 
 def plan_digest(order) -> str:
-    """``"sha256:<hex>"`` of a batch order (``BatchInfo``/``Batch`` items): every batch id with its sample ids,
+    """``"sha256:<hex>"`` of a batch order (``shared.data.dataset.Batch`` items): every batch id with its sample ids,
     in order. Equal digests mean every batch id names the same samples."""
     import itertools
 

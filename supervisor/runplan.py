@@ -18,22 +18,22 @@ from pathlib import Path
 import torch
 
 from specring.shared.config import RunConfig
+from specring.shared.data.dataset import Batch, BatchPlan, TokenDataset
 from specring.shared.devices import DTYPE_NAMES, resolve_device, resolve_dtype
 from specring.shared.errors import ConfigError
 from specring.shared.models.target_config import read_target_config, text_config
 from specring.shared.transport import layout
 from specring.shared.transport.ring import PAGE, segment_bytes, shm_free_bytes
-from specring.supervisor.coordinator import BatchInfo
 
 log = logging.getLogger(__name__)
 
-MAX_PLANNED_BATCHES = 10**7   # batches of one run's order (each a BatchInfo in the coordinator's ledger)
+MAX_PLANNED_BATCHES = 10**7   # batches of one run's order (each a Batch in the coordinator's ledger)
 
 
 @dataclass
 class RunPlan:
     """The resolved run: what ``--plan`` prints and the supervisor executes."""
-    order: list[BatchInfo]
+    order: list[Batch]
     total_steps: int
     batches_per_epoch: int
     slot_bytes: int
@@ -128,8 +128,6 @@ def open_dataset(path: str, flag: str, shape: dict):
     """The ``TokenDataset`` at ``path``, checked against the target ``shape`` (its ``config.json``): it
     exists, is an Arrow file from ``launch.py prepare``, has samples, and its token ids fit the vocabulary.
     Raises ``ConfigError`` naming ``flag``."""
-    from specring.shared.data.dataset import TokenDataset
-
     if not Path(path).is_file():
         what = "is a directory, not a dataset file" if Path(path).is_dir() else "does not exist"
         raise ConfigError(f"{flag}: {path} {what} (build one with `launch.py prepare`)")
@@ -174,7 +172,6 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     ``cfg.producer.target_layer_ids``, ``cfg.ring.slot_bytes`` when 0 and ``cfg.trainer.max_steps`` when
     ``--epochs`` is given, so that children read fully resolved values.
     """
-    from specring.shared.data.dataset import BatchPlan
     from specring.shared.models.target import (
         DEFAULT_NUM_TARGET_LAYERS,
         resolve_layer_ids,
@@ -222,14 +219,14 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         raise ConfigError(f"{cfg.origin(key)}: the run would plan {need:,} batches ({per_epoch:,} per epoch); at "
                           f"most {MAX_PLANNED_BATCHES:,} are planned at once (the batch ledger is held in memory)",
                           key=key)
-    order: list[BatchInfo] = []
+    order: list[Batch] = []
     if cfg.trainer.epochs:
         for e in range(cfg.trainer.epochs):
-            order.extend(BatchInfo(b.batch_id, b.epoch, b.sample_ids, b.pad_to) for b in plan.epoch(e))
+            order.extend(plan.epoch(e))
     else:
         need, e = cfg.trainer.max_steps * per_step, 0
         while len(order) < need:
-            order.extend(BatchInfo(b.batch_id, b.epoch, b.sample_ids, b.pad_to) for b in plan.epoch(e))
+            order.extend(plan.epoch(e))
             e += 1
         order = order[:need]
     usable = len(order) // per_step * per_step
