@@ -22,7 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.system.launcher_util import child_pid, kill_tree, start_launcher, status_rows  # noqa: E402
+from benchmarks.launcher import child_pid, kill_tree, start_launcher  # noqa: E402
+from specring.supervisor.status import read_status_rows  # noqa: E402
 
 
 def status_text(run_dir: Path) -> str:
@@ -49,7 +50,7 @@ def main(argv=None) -> int:
     statuses = []
     try:
         while proc.poll() is None and time.monotonic() - t0 < args.timeout_s:
-            rows = status_rows(run_dir)
+            rows = read_status_rows(run_dir)
             for r in rows:
                 if r["role"] == "producer" and r.get("ring"):
                     occupancy.setdefault(r["index"], []).append(r["ring"]["READY"] + r["ring"]["READING"])

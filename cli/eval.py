@@ -72,18 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def configure_cli_logging(prefix: str) -> None:
-    """The project's log format for a command that starts no children (``shared.procs.configure_logging``
-    when importable; it pulls in pyzmq, which a machine that only evaluates may lack)."""
-    try:
-        from specring.shared.procs import configure_logging
-    except ImportError:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr, force=True, datefmt="%H:%M:%S",
-                            format=f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s")
-        return
-    configure_logging(prefix)
-
-
 def _stop_ids(hf_config) -> list[int]:
     eos = getattr(hf_config, "eos_token_id", None)
     if eos is None:
@@ -195,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     from specring.shared.errors import ConfigError
 
     args = build_parser().parse_args(argv)
-    configure_cli_logging("eval")
+    from specring.shared.logs import configure_logging
+    configure_logging("eval")
     try:
         report = run_eval(args)
     except (ConfigError, ValueError, FileNotFoundError, KeyError) as e:

@@ -54,6 +54,7 @@ from safetensors import safe_open
 
 from specring.cli.hf_model import modeling_source
 from specring.shared import checkpoint as ckpt
+from specring.shared.devices import MODEL_DTYPES as DTYPES  # the dtypes an export may be written in
 from specring.shared.models.dflash import (
     EMBED_KEY,
     FROZEN_KEYS,
@@ -61,9 +62,10 @@ from specring.shared.models.dflash import (
     DFlashConfig,
     DFlashDrafter,
     _rope_theta,
-    _text_config,
     read_target_head,
 )
+from specring.shared.models.target_config import read_target_config
+from specring.shared.models.target_config import text_config as _text_config
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,6 @@ PROVENANCE_FILE = "specring_export.json"
 MODELING_FILE = "modeling_dflash.py"
 ARCHITECTURE = "DFlashDraftModel"
 AUTO_MAP = {"AutoModel": f"{MODELING_FILE[:-3]}.{ARCHITECTURE}"}
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def reference_weight_names(num_draft_layers: int) -> set[str]:
@@ -89,10 +90,7 @@ def reference_weight_names(num_draft_layers: int) -> set[str]:
 
 
 def _target_config(target_dir: Path) -> tuple[dict, dict]:
-    path = target_dir / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"--target: {target_dir} has no config.json (not a Hugging Face checkpoint)")
-    raw = json.loads(path.read_text())
+    raw = read_target_config(target_dir)
     return raw, _text_config(raw)
 
 
@@ -359,10 +357,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``launch.py export``: 0 on success, 2 when the checkpoint is refused or a flag is wrong."""
-    from specring.cli.eval import configure_cli_logging
+    from specring.shared.logs import configure_logging
 
     args = build_parser().parse_args(argv)
-    configure_cli_logging("export")
+    configure_logging("export")
     try:
         out = export_drafter(args.drafter, args.output, args.target, args.dtype, args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:

@@ -21,14 +21,6 @@ __all__ = ["build_parser", "config_from_args", "train_main"]
 log = logging.getLogger(__name__)
 
 
-def _setup_logging(run_dir: str | None = None) -> None:
-    from specring.shared.procs import configure_logging
-    configure_logging("supervisor")
-    if run_dir:
-        Path(run_dir, "logs").mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(Path(run_dir, "logs", "supervisor.log"))
-        fh.setFormatter(logging.getLogger().handlers[0].formatter)
-        logging.getLogger().addHandler(fh)
 
 
 def train_main(argv: list[str]) -> int:
@@ -69,7 +61,8 @@ def train_main(argv: list[str]) -> int:
                   f"checkpoint (see its summary.json)", file=sys.stderr)
             lock.close()
             return 0
-    _setup_logging(cfg.run_dir)
+    from specring.shared.logs import configure_logging
+    configure_logging("supervisor", log_file=Path(cfg.run_dir, "logs", "supervisor.log"))
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from specring.supervisor.supervisor import Supervisor

@@ -9,20 +9,17 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from specring.shared import faults
 from specring.shared.models.dflash import DFlashDrafter
 from specring.shared.models.speculative import evaluate_tau, load_prompts
 
 logger = logging.getLogger(__name__)
-
-
-SLOW_EVAL_ENV = "SPECRING_SLOW_EVAL_S"  # tests and drills: seconds slept after each prompt of a checkpoint eval
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -36,7 +33,7 @@ class CheckpointEvaluator:
     "forwards_per_token", "loss", "time"}`` to ``RUN_DIR/eval.jsonl`` and logs ``tau step=... tau=...``.
     Costs one extra copy of the target's weights on the consumer's device.
 
-    ``$SPECRING_SLOW_EVAL_S`` (tests and drills only) sleeps that many seconds after each prompt.
+    ``$SPECRING_SLOW_EVAL_S`` (tests and drills only, ``shared.faults``) sleeps that many seconds after each prompt.
     """
 
     def __init__(self, run_cfg, device: torch.device, run_dir: str | Path, prompt_len: int = 64):
@@ -61,7 +58,7 @@ class CheckpointEvaluator:
         ``on_prompt(done, total)`` is called after each prompt."""
         tc, pc = self.cfg.trainer, self.cfg.producer
         self.load()
-        slow_s = float(os.environ.get(SLOW_EVAL_ENV) or 0)
+        slow_s = faults.slow_eval_s()
 
         def after_prompt(done: int, total: int) -> None:
             if slow_s > 0:

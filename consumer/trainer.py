@@ -403,19 +403,6 @@ class Trainer:
             return m
         return self._optimizer_step()
 
-    @torch.no_grad()
-    def evaluate(self, batch: dict[str, torch.Tensor], batch_ids: list[int]) -> dict[str, Any]:
-        """Loss and accuracy metrics of this rank's ``batch`` without any update (same anchors as training
-        would draw for these ``batch_ids``). Keys as in ``step``; nothing is all-reduced or logged."""
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            t0 = time.perf_counter()
-            stats = self._forward_backward(batch, [int(x) for x in batch_ids], backward=False)
-            return self._metrics(stats, list(batch_ids), time.perf_counter() - t0)
-        finally:
-            self.model.train(was_training)
-
     def _flat_grads(self) -> torch.Tensor:
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
                           for p in self.params])
@@ -607,38 +594,3 @@ class Trainer:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
-
-
-@torch.no_grad()
-def make_batch_in_process(target_model, sequences: list[tuple[torch.Tensor, torch.Tensor]],
-                          target_layer_ids: list[int], target_ids: bool = False) -> dict[str, torch.Tensor]:
-    """A packed batch computed in this process (tests, demos; the producer does this in production).
-
-    ``target_model``: a Hugging Face causal LM; ``sequences``: ``(input_ids [L], loss_mask [L])`` pairs.
-    Returns ``hidden [T, n*H]`` (model dtype; layer id ``i`` = ``hidden_states[i + 1]``), ``input_ids
-    [T] int32``, ``loss_mask [T] uint8``, ``cu_seqlens [S+1] int32`` and, with ``target_ids=True``,
-    ``target_ids [T] int32`` (argmax of the logits). Sequences are right-padded into one forward (a causal
-    model's real positions do not see the padding).
-    """
-    dev = next(target_model.parameters()).device
-    lens = [int(s[0].numel()) for s in sequences]
-    pad = torch.zeros(len(sequences), max(lens), dtype=torch.long)
-    att = torch.zeros_like(pad)
-    for i, (ids, _) in enumerate(sequences):
-        pad[i, :lens[i]] = ids.long()
-        att[i, :lens[i]] = 1
-    out = target_model(input_ids=pad.to(dev), attention_mask=att.to(dev), output_hidden_states=True)
-    feats = torch.cat([out.hidden_states[i + 1] for i in target_layer_ids], dim=-1)
-    hidden = torch.cat([feats[i, :lens[i]] for i in range(len(sequences))])
-    cu = torch.zeros(len(sequences) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
-    out_batch = {
-        "hidden": hidden.contiguous(),
-        "input_ids": torch.cat([s[0] for s in sequences]).to(torch.int32),
-        "loss_mask": torch.cat([s[1] for s in sequences]).to(torch.uint8),
-        "cu_seqlens": cu,
-    }
-    if target_ids:
-        greedy = out.logits.argmax(-1)
-        out_batch["target_ids"] = torch.cat([greedy[i, :lens[i]] for i in range(len(sequences))]).to(torch.int32).cpu()
-    return out_batch

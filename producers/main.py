@@ -24,10 +24,8 @@ forward that takes longer than ``hang_timeout_s`` (``shared.procs.ChildContext``
 ``work``/``work_s``: ``"batch N"`` or ``"publish batch N"`` and for how long (the monitor gives one batch
 ``batch_timeout_s``).
 
-Environment (tests and chaos drills only): ``SPECRING_SLOW_WRITE_S=<seconds>`` sleeps between writing a
-slot and publishing it, so a test can SIGKILL a producer whose slot is WRITING;
-``SPECRING_INJECT_NONFINITE=<batch_id,...>`` puts a NaN into those batches' hidden states; the hooks of
-``shared.faults`` (helper processes, slow and stalled forwards) are applied here too.
+Fault injection (tests and chaos drills only): the producer's hooks of ``shared.faults`` are applied here
+(slow writes, non-finite batches, helper processes, slow and stalled forwards).
 
 The ring is closed (unpinned, unmapped) on exit and never unlinked: the supervisor owns it.
 """
@@ -45,22 +43,16 @@ import torch
 from specring.producers.producer import Pending, Producer
 from specring.shared import faults
 from specring.shared.data.dataset import TokenDataset, collate
+from specring.shared.devices import resolve_device
 from specring.shared.errors import ConfigError, MessageError, SlotError
-from specring.shared.models.target import resolve_device
 from specring.shared.procs import ChildContext, child_main
 from specring.shared.transport import messages
 from specring.shared.transport.ring import Ring
 
 log = logging.getLogger(__name__)
 
-SLOW_WRITE_ENV = "SPECRING_SLOW_WRITE_S"
 RATE_WINDOW_S = 10.0
 IDLE_POLL_S = 0.2  # the loop turns at least this often while idle
-
-
-def slow_write_from_env() -> float:
-    """``$SPECRING_SLOW_WRITE_S`` as seconds (0 when unset); ``ConfigError`` naming the variable if not a number >= 0."""
-    return faults.seconds(SLOW_WRITE_ENV)
 
 
 def pick_pad_id(ds: TokenDataset, hf_config) -> int:
@@ -166,7 +158,7 @@ def body(ctx: ChildContext) -> None:
         raise ConfigError(f"producer index {ctx.index} has no ring: topology lists {len(ctx.topology.rings)}")
     if not 0 <= ctx.index < len(cfg.producer.devices):
         raise ConfigError(f"producer index {ctx.index} has no device: producer.devices is {cfg.producer.devices}")
-    slow_write_s = slow_write_from_env()
+    slow_write_s = faults.slow_write_s()
     device = resolve_device(cfg.producer.devices[ctx.index])
     if device.type == "cpu":  # share the cores with the other processes of the run instead of oversubscribing
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // (len(cfg.producer.devices) + len(cfg.trainer.devices))))

@@ -25,24 +25,25 @@ What is guaranteed:
 * ``submit``/``complete`` split ``run_batch`` so the process can keep one batch in flight: the copy of
   batch k overlaps the forward of batch k+1, and each ``SlotReady`` still follows its own event.
 
-Fault injection (tests only): ``inject_nonfinite`` (constructor) or the environment variable
-``SPECRING_INJECT_NONFINITE="<batch_id>,<batch_id>,..."`` (read by ``from_config``) puts a NaN into the
-captured hidden states of those batches, before the finite check, so the real check must catch it.
-``slow_write_s`` sleeps between writing the payload and publishing it (``SPECRING_SLOW_WRITE_S`` in the
-process), so a test can kill a producer while its slot is WRITING.
+Fault injection (tests only): ``inject_nonfinite`` (constructor; ``from_config`` reads
+``SPECRING_INJECT_NONFINITE`` through ``shared.faults``) puts a NaN into the captured hidden states of those
+batches, before the finite check, so the real check must catch it. ``slow_write_s`` sleeps between writing
+the payload and publishing it (``SPECRING_SLOW_WRITE_S`` in the process), so a test can kill a producer
+while its slot is WRITING.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 
+from specring.shared import faults
 from specring.shared.config import ProducerConfig
+from specring.shared.devices import resolve_device
 from specring.shared.errors import ConfigError, PayloadTooLarge
 from specring.shared.models.target import (
     LayerCapture,
@@ -53,7 +54,6 @@ from specring.shared.models.target import (
     hidden_size,
     load_target,
     num_decoder_layers,
-    resolve_device,
     resolve_layer_ids,
 )
 from specring.shared.transport import layout, messages
@@ -61,22 +61,7 @@ from specring.shared.transport.ring import Ring
 
 log = logging.getLogger(__name__)
 
-INJECT_ENV = "SPECRING_INJECT_NONFINITE"
 BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "lengths", "batch_id")
-
-
-def parse_batch_ids(text: str | None) -> set[int]:
-    """``"3,17, 42"`` -> ``{3, 17, 42}``; empty or None -> empty set. Raises ``ConfigError`` naming a bad entry."""
-    out: set[int] = set()
-    for part in (text or "").split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            out.add(int(part))
-        except ValueError:
-            raise ConfigError(f"{INJECT_ENV}: {part!r} is not a batch id") from None
-    return out
 
 
 @dataclass
@@ -85,8 +70,6 @@ class ProducerStats:
     batches: int = 0            # published
     bad_batches: int = 0        # answered with BadBatch
     tokens: int = 0             # real tokens published
-    forward_s: float = 0.0      # wall time of submit() calls (forward + launching the copy)
-    last_batch_id: int = -1
 
 
 @dataclass
@@ -166,7 +149,7 @@ class Producer:
                     slow_write_s: float = 0.0, label_source: str = "data", topk: int = 0) -> "Producer":
         """Load ``cfg.target`` on ``cfg.devices[index]`` and build a producer for it.
 
-        ``inject_nonfinite`` defaults to ``$SPECRING_INJECT_NONFINITE``. Raises ``ConfigError`` for a bad
+        ``inject_nonfinite`` defaults to ``$SPECRING_INJECT_NONFINITE`` (``shared.faults``). Raises ``ConfigError`` for a bad
         index, device, checkpoint or layer ids (see ``producers.target``).
         """
         if not 0 <= index < len(cfg.devices):
@@ -179,9 +162,7 @@ class Producer:
         model, hf_config = load_target(cfg.target, cfg.devices[index], cfg.dtype, random_weights=cfg.random_weights)
         ids = resolve_layer_ids(num_decoder_layers(model), cfg.target_layer_ids, cfg.num_target_layers)
         if inject_nonfinite is None:
-            inject_nonfinite = parse_batch_ids(os.environ.get(INJECT_ENV))
-        if inject_nonfinite:
-            log.warning("fault injection: non-finite hidden states for batches %s", sorted(inject_nonfinite))
+            inject_nonfinite = faults.inject_nonfinite()
         dev = next(model.parameters()).device
         prod = cls(model, ids, ring, generation, dev, index=index, checksum=checksum,
                    inject_nonfinite=inject_nonfinite, slow_write_s=slow_write_s, label_source=label_source,
@@ -274,7 +255,6 @@ class Producer:
         On CPU everything is done on return; on CUDA the copy may still be running. Pass the result to
         ``complete`` (in submission order) to get the message.
         """
-        t0 = time.perf_counter()
         ids, am, lm, lengths, bid = self._check_batch(batch)
         self.current_batch = bid
         b, s = ids.shape
@@ -337,7 +317,6 @@ class Producer:
         else:
             pending.descriptor, pending.payload_bytes = layout.write_tensors(buf, host)
             pending.finite = finite
-        self.stats.forward_s += time.perf_counter() - t0
         return pending
 
     def complete(self, pending: Pending):
@@ -356,7 +335,6 @@ class Producer:
                                     pending.payload_bytes, checksum=self.checksum)
             self.stats.batches += 1
             self.stats.tokens += pending.num_tokens
-            self.stats.last_batch_id = pending.batch_id
             return messages.SlotReady(producer=self.index, generation=self.generation, slot=pending.slot,
                                       batch_id=pending.batch_id, seq=pending.seq, descriptor=pending.descriptor,
                                       payload_bytes=pending.payload_bytes, num_tokens=pending.num_tokens,

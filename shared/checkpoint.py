@@ -23,8 +23,8 @@ What is guaranteed:
 
 Not guaranteed: concurrent writers. Only one process (rank 0) saves.
 
-``$SPECRING_SLOW_CHECKPOINT_S`` (tests and drills only) sleeps that many seconds before the rename, as a
-large drafter's write would take.
+``$SPECRING_SLOW_CHECKPOINT_S`` (tests and drills only, ``shared.faults``) sleeps that many seconds before
+the rename, as a large drafter's write would take.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from specring.shared import faults
 from specring.shared.models.dflash import (
     EMBED_KEY,
     HEAD_KEY,
@@ -56,7 +57,6 @@ CONFIG_FILE = "dflash_config.json"
 EAGLE3_CONFIG_FILE = "eagle3_config.json"
 CONFIG_FILES = {"dflash": CONFIG_FILE, "eagle3": EAGLE3_CONFIG_FILE}
 LATEST_FILE = "latest"
-SLOW_CHECKPOINT_ENV = "SPECRING_SLOW_CHECKPOINT_S"
 
 
 def step_dir_name(step: int) -> str:
@@ -138,7 +138,7 @@ def save_checkpoint(checkpoints_dir: str | Path, step: int, tensors: dict[str, t
     for f in (WEIGHTS_FILE, STATE_FILE, config_file):
         _fsync_file(tmp / f)
     _fsync_dir(tmp)
-    slow_s = float(os.environ.get(SLOW_CHECKPOINT_ENV) or 0)
+    slow_s = faults.slow_checkpoint_s()
     if slow_s > 0:
         time.sleep(slow_s)
     if final.exists():  # re-saving a step (after a resume): move the old one aside first

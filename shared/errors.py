@@ -9,9 +9,8 @@ The name of each exception says whether the caller may retry:
 * ``ShmSpaceError`` (an ``OSError``): ``/dev/shm`` has less free space than the rings need.
 * ``SlotError``: a slot header that does not match the control message that names it (stale
   generation, wrong batch id, unpublished slot).
-* ``ProducerDied`` / ``ConsumerDied``: a child process exited; the supervisor decides on restart.
-* ``SlotTimeout`` / ``PeerTimeout``: a blocking wait ran past its deadline; the message names the
-  duration and the peer.
+* ``PeerTimeout``: waiting for a peer's answer ran past its deadline; the message names the duration and
+  the peer.
 * ``BadBatch``: a batch whose data cannot be trained on (non-finite hidden states, bad token ids).
 """
 
@@ -50,18 +49,6 @@ class ShmSpaceError(SpecringError, OSError):
 
 class SlotError(SpecringError):
     """A slot's header disagrees with the message that names it."""
-
-
-class ProducerDied(SpecringError):
-    """A producer process exited; retry after restart."""
-
-
-class ConsumerDied(SpecringError):
-    """A consumer process exited; the run stops with a checkpoint and can be resumed."""
-
-
-class SlotTimeout(SpecringError, TimeoutError):
-    """Waiting for a slot ran past its deadline."""
 
 
 class PeerTimeout(SpecringError, TimeoutError):

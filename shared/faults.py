@@ -1,7 +1,8 @@
 """Fault injection for tests and chaos drills: the ``SPECRING_*`` environment hooks of the child processes.
 
-None of them is set in a normal run; each one that is set logs a ``fault ...`` warning in the child that
-reads it, so a hook left on is visible in the logs. Hooks read here:
+Every hook is read here and nowhere else. None of them is set in a normal run; each one that is set logs a
+``fault ...`` warning in the process that reads it, so a hook left on is visible in the logs. A value that
+does not parse is a ``ConfigError`` naming the variable. The hooks:
 
 ``SPECRING_FAULT_HELPERS=1``
     The producer starts two helper processes (``sleep 600``) at start-up, as target code may: one in its
@@ -15,9 +16,19 @@ reads it, so a hook left on is visible in the logs. Hooks read here:
     That producer incarnation never returns from its first batch (it waits on an event nobody sets, as a
     deadlock in the forward would): its process and its heartbeat thread live on, its batch never ends.
 
-Hooks read where they act: ``SPECRING_SLOW_WRITE_S`` (``producers.main``), ``SPECRING_INJECT_NONFINITE``
-(``producers.producer``), ``SPECRING_SLOW_CHECKPOINT_S`` (``consumer.checkpoint``), ``SPECRING_SLOW_EVAL_S``
-(``consumer.evaluate``).
+``SPECRING_SLOW_WRITE_S=<seconds>``
+    The producer sleeps this long between writing a slot and publishing it, so a test can SIGKILL a producer
+    whose slot is WRITING (``slow_write_s``).
+``SPECRING_INJECT_NONFINITE=<batch_id,...>``
+    The producer puts a NaN into those batches' captured hidden states, before its finite check, so the real
+    check must catch it (``inject_nonfinite``).
+``SPECRING_SLOW_CHECKPOINT_S=<seconds>``
+    A checkpoint write sleeps this long before its rename, as a large drafter's write would take
+    (``slow_checkpoint_s``, ``shared.checkpoint``).
+``SPECRING_SLOW_EVAL_S=<seconds>``
+    The consumer's tau evaluation sleeps this long after each prompt (``slow_eval_s``, ``consumer.tau``).
+
+``SPECRING_RUN_ID`` is no hook: it marks a run's processes (``shared.procs``).
 """
 
 from __future__ import annotations
@@ -35,6 +46,11 @@ log = logging.getLogger(__name__)
 HELPERS_ENV = "SPECRING_FAULT_HELPERS"
 SLOW_FORWARD_ENV = "SPECRING_SLOW_FORWARD_S"
 STALL_FORWARD_ENV = "SPECRING_STALL_FORWARD"
+SLOW_WRITE_ENV = "SPECRING_SLOW_WRITE_S"
+INJECT_NONFINITE_ENV = "SPECRING_INJECT_NONFINITE"
+SLOW_CHECKPOINT_ENV = "SPECRING_SLOW_CHECKPOINT_S"
+SLOW_EVAL_ENV = "SPECRING_SLOW_EVAL_S"
+_warned: set[str] = set()  # hooks whose "fault ..." line this process has logged
 
 
 def flag(name: str) -> bool:
@@ -83,6 +99,57 @@ def stall_target() -> tuple[int, int] | None:
     if not (sep and index.isdigit() and gen.isdigit() and int(gen) >= 1):
         raise ConfigError(f"{STALL_FORWARD_ENV}={text!r} must read <producer index>:<generation>, e.g. 0:1")
     return int(index), int(gen)
+
+
+def _warn_once(name: str, value) -> None:
+    if name not in _warned:
+        _warned.add(name)
+        log.warning("fault %s=%s", name, value)
+
+
+def _seconds_hook(name: str) -> float:
+    value = seconds(name)
+    if value:
+        _warn_once(name, value)
+    return value
+
+
+def slow_write_s() -> float:
+    """``$SPECRING_SLOW_WRITE_S``: seconds between writing a slot and publishing it (0 when unset)."""
+    return _seconds_hook(SLOW_WRITE_ENV)
+
+
+def slow_checkpoint_s() -> float:
+    """``$SPECRING_SLOW_CHECKPOINT_S``: seconds a checkpoint write sleeps before its rename (0 when unset)."""
+    return _seconds_hook(SLOW_CHECKPOINT_ENV)
+
+
+def slow_eval_s() -> float:
+    """``$SPECRING_SLOW_EVAL_S``: seconds the tau evaluation sleeps after each prompt (0 when unset)."""
+    return _seconds_hook(SLOW_EVAL_ENV)
+
+
+def parse_batch_ids(text: str | None) -> set[int]:
+    """``"3,17, 42"`` -> ``{3, 17, 42}``; empty or None -> empty set. Raises ``ConfigError`` naming
+    ``SPECRING_INJECT_NONFINITE`` and a bad entry."""
+    out: set[int] = set()
+    for part in (text or "").split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            out.add(int(part))
+        except ValueError:
+            raise ConfigError(f"{INJECT_NONFINITE_ENV}: {part!r} is not a batch id") from None
+    return out
+
+
+def inject_nonfinite() -> set[int]:
+    """``$SPECRING_INJECT_NONFINITE``: the batch ids whose hidden states get a NaN (empty when unset)."""
+    ids = parse_batch_ids(os.environ.get(INJECT_NONFINITE_ENV))
+    if ids:
+        _warn_once(INJECT_NONFINITE_ENV, ",".join(map(str, sorted(ids))))
+    return ids
 
 
 class ForwardFaults:

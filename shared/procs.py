@@ -41,6 +41,7 @@ import psutil
 import zmq
 
 from specring.shared.config import RunConfig
+from specring.shared.logs import configure_logging
 from specring.shared.paths import IMPORT_ROOT
 from specring.shared.transport import channel, messages
 
@@ -145,18 +146,6 @@ def sweep_run_processes(run_alive: Callable[[str], bool]) -> list[tuple[int, str
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
     return out
-
-
-def configure_logging(prefix: str, level: int = logging.INFO) -> None:
-    """Log lines as ``<time> <prefix> <level> <logger>: <message>`` to stderr (called once per process)."""
-    root = logging.getLogger()
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix} %(levelname)s %(name)s: %(message)s",
-                                           datefmt="%H:%M:%S"))
-    root.addHandler(handler)
-    root.setLevel(level)
 
 
 @dataclass

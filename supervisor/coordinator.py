@@ -32,20 +32,12 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from specring.shared.data.dataset import Batch
 from specring.shared.transport import messages as m
 
 log = logging.getLogger(__name__)
 
 FREE, WRITING, READY, READING = "FREE", "WRITING", "READY", "READING"
-
-
-@dataclass
-class BatchInfo:
-    """What the coordinator must know of a batch to lease it (mirrors ``shared.data.Batch``)."""
-    batch_id: int
-    epoch: int
-    sample_ids: Sequence[int]
-    pad_to: int
 
 
 @dataclass
@@ -61,18 +53,17 @@ class ProducerState:
     generation: int = 1
     live: bool = False          # a Hello of the current generation has arrived
     slots: list[Slot] = field(default_factory=list)
-    seq: int = 0
-    restarts: int = 0
 
 
 class Coordinator:
     """Ledger and router for ``num_producers`` rings of ``num_slots`` slots and ``num_consumers`` trainers.
 
-    ``order`` is the run's batch list in training order. ``trained`` holds batch ids already trained
+    ``order`` is the run's batch list in training order (the plan's ``shared.data.dataset.Batch`` items, as
+    they are: their ``sample_ids`` and ``pad_to`` go into the leases). ``trained`` holds batch ids already trained
     (resume). Raises ``ValueError`` for duplicate batch ids in ``order``.
     """
 
-    def __init__(self, order: Sequence[BatchInfo], num_producers: int, num_slots: int, num_consumers: int,
+    def __init__(self, order: Sequence[Batch], num_producers: int, num_slots: int, num_consumers: int,
                  trained: set[int] | None = None, max_unreleased: int = 2):
         ids = [b.batch_id for b in order]
         if len(set(ids)) != len(ids):
@@ -126,10 +117,6 @@ class Coordinator:
         return [b for b in self.order if b not in self.trained and b not in self.bad]
 
     # ------------------------------------------------------------------ producer life cycle
-    def producer_started(self, p: int) -> int:
-        """The supervisor started producer ``p``; returns the generation it must run as."""
-        return self.producers[p].generation
-
     def producer_died(self, p: int) -> int:
         """Producer ``p`` has exited and been reaped: fence it and reclaim its unpublished slots.
 
@@ -146,7 +133,6 @@ class Coordinator:
                 ps.slots[i] = Slot()
         ps.generation += 1
         ps.live = False
-        ps.restarts += 1
         log.info("fence producer=%d generation=%d requeued=%s", p, ps.generation, reclaimed)
         return ps.generation
 

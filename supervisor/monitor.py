@@ -49,7 +49,6 @@ class Child:
     restart_at: float = 0.0
     restarts: int = 0
     graceful_restart: bool = False
-    last_exitcode: int | None = None
     _ps: psutil.Process | None = None
 
     @property

@@ -164,7 +164,7 @@ LENGTH_FIELDS = ("trainer.epochs", "trainer.max_steps")
 
 
 def plan_digest(order) -> str:
-    """``"sha256:<hex>"`` of a batch order (``BatchInfo``/``Batch`` items): every batch id with its sample ids,
+    """``"sha256:<hex>"`` of a batch order (``shared.data.dataset.Batch`` items): every batch id with its sample ids,
     in order. Equal digests mean every batch id names the same samples."""
     import itertools
 
@@ -288,9 +288,3 @@ def read_checkpoint_batches(run_dir: Path) -> tuple[set[int], set[int]]:
     state = load_trainer_state(path, mmap=True)
     return ({int(b) for b in state["trained_batch_ids"]}, {int(b) for b in state.get("skipped_batch_ids", [])})
 
-
-def read_trained_from_checkpoint(run_dir: Path) -> set[int]:
-    """Batch ids done up to the latest checkpoint of ``run_dir`` (trained or skipped; empty set if there is
-    none); see ``read_checkpoint_batches``."""
-    updated, skipped = read_checkpoint_batches(run_dir)
-    return updated | skipped

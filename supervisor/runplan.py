@@ -11,7 +11,6 @@ of ``consumers · grad_accum`` so every data-parallel rank takes the same number
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,21 +19,22 @@ from typing import Any
 import torch
 
 from specring.shared.config import RunConfig
+from specring.shared.data.dataset import Batch, BatchPlan, TokenDataset
+from specring.shared.devices import DTYPE_NAMES, resolve_device, resolve_dtype
 from specring.shared.errors import ConfigError
+from specring.shared.models.target_config import read_target_config, text_config
 from specring.shared.transport import layout
 from specring.shared.transport.ring import PAGE, segment_bytes, shm_free_bytes
-from specring.supervisor.coordinator import BatchInfo
 
 log = logging.getLogger(__name__)
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-MAX_PLANNED_BATCHES = 10**7   # batches of one run's order (each a BatchInfo in the coordinator's ledger)
+MAX_PLANNED_BATCHES = 10**7   # batches of one run's order (each a Batch in the coordinator's ledger)
 
 
 @dataclass
 class RunPlan:
     """The resolved run: what ``--plan`` prints and the supervisor executes."""
-    order: list[BatchInfo]
+    order: list[Batch]
     total_steps: int
     batches_per_epoch: int
     slot_bytes: int
@@ -50,16 +50,16 @@ class RunPlan:
     data_tokens: int = 0
     batch_plan: Any = None      # the BatchPlan whose epochs, concatenated, ``order`` is the start of
 
-    def first_batches(self, n: int) -> list[BatchInfo]:
+    def first_batches(self, n: int) -> list[Batch]:
         """The first ``n`` batches of the batch plan's epochs concatenated: the order of a run of ``n``
         batches with the same data and plan settings, whatever its ``max_steps``/``epochs`` (``order`` is the
         first ``len(order)`` of them). A resume that changes the run length compares its data record on these."""
         if n <= len(self.order) or self.batch_plan is None:
             return self.order[:n]
-        out: list[BatchInfo] = []
+        out: list[Batch] = []
         e = 0
         while len(out) < n:
-            out.extend(BatchInfo(b.batch_id, b.epoch, b.sample_ids, b.pad_to) for b in self.batch_plan.epoch(e))
+            out.extend(self.batch_plan.epoch(e))
             e += 1
         return out[:n]
 
@@ -84,40 +84,29 @@ class RunPlan:
         return "\n".join(lines)
 
 
-def check_device(spec: str, flag: str) -> None:
-    """Raise ``ConfigError`` naming ``flag`` if ``spec`` is not a device this machine has."""
-    if spec == "cpu":
-        return
-    if spec.startswith("cuda"):
-        idx = int(spec.split(":", 1)[1]) if ":" in spec and spec.split(":", 1)[1].isdigit() else 0 if spec == "cuda" else None
-        if idx is None:
-            raise ConfigError(f"{flag}: cannot parse device {spec!r} (use cpu or cuda:N)")
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if idx >= count:
-            raise ConfigError(f"{flag}: device {spec} does not exist (this machine has {count} CUDA device(s))")
-        return
-    raise ConfigError(f"{flag}: unknown device {spec!r} (use cpu or cuda:N)")
+def check_device(spec: str, flag: str) -> torch.device:
+    """``spec`` as a device of this machine (``shared.devices.resolve_device``); ``ConfigError`` naming ``flag``
+    if it is not one."""
+    try:
+        return resolve_device(spec)
+    except ConfigError as e:
+        raise ConfigError(f"{flag}: {e}") from None
 
 
 def target_shape(target: str) -> dict:
     """``hidden_size``, ``num_hidden_layers`` (and the rest of ``config.json``) of a local target checkpoint."""
-    path = Path(target)
-    cfg_path = path / "config.json"
-    if not cfg_path.is_file():
-        raise ConfigError(f"--target: {path} is not a Hugging Face checkpoint directory (no config.json)")
-    d = json.loads(cfg_path.read_text())
-    d = d.get("text_config", d)
+    d = text_config(read_target_config(target))
     for key in ("hidden_size", "num_hidden_layers"):
         if key not in d:
-            raise ConfigError(f"--target: {cfg_path} has no {key!r}")
+            raise ConfigError(f"--target: {Path(target) / 'config.json'} has no {key!r}")
     return d
 
 
-def slot_bytes_for(max_real_tokens: int, max_batch_size: int, num_layers: int, hidden: int, dtype: str,
+def slot_bytes_for(max_real_tokens: int, max_batch_size: int, num_layers: int, hidden: int, dtype: torch.dtype,
                    label_source: str = "data", topk: int = 0) -> int:
-    """Bytes of the largest payload (``shared.layout.slot_payload_specs``), rounded up to 4 KiB."""
-    specs = layout.slot_payload_specs(max_real_tokens, max_batch_size, num_layers, hidden, layout.DTYPES[dtype],
-                                      label_source, topk)
+    """Bytes of the largest payload (``shared.layout.slot_payload_specs``) with ``hidden`` in ``dtype``,
+    rounded up to 4 KiB."""
+    specs = layout.slot_payload_specs(max_real_tokens, max_batch_size, num_layers, hidden, dtype, label_source, topk)
     need = layout.payload_bytes(specs)
     return (need + PAGE - 1) // PAGE * PAGE
 
@@ -154,8 +143,6 @@ def open_dataset(path: str, flag: str, shape: dict):
     """The ``TokenDataset`` at ``path``, checked against the target ``shape`` (its ``config.json``): it
     exists, is an Arrow file from ``launch.py prepare``, has samples, and its token ids fit the vocabulary.
     Raises ``ConfigError`` naming ``flag``."""
-    from specring.shared.data.dataset import TokenDataset
-
     if not Path(path).is_file():
         what = "is a directory, not a dataset file" if Path(path).is_dir() else "does not exist"
         raise ConfigError(f"{flag}: {path} {what} (build one with `launch.py prepare`)")
@@ -200,14 +187,12 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     ``cfg.producer.target_layer_ids``, ``cfg.ring.slot_bytes`` when 0 and ``cfg.trainer.max_steps`` when
     ``--epochs`` is given, so that children read fully resolved values.
     """
-    from specring.shared.data.dataset import BatchPlan
     from specring.shared.models.target import (
         DEFAULT_NUM_TARGET_LAYERS,
         resolve_layer_ids,
     )
 
-    for i, d in enumerate(cfg.producer.devices):
-        check_device(d, "--producers")
+    producer_devices = [check_device(d, "--producers") for d in cfg.producer.devices]
     for d in cfg.trainer.devices:
         check_device(d, "--consumers")
     shape = target_shape(cfg.producer.target)
@@ -249,14 +234,14 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         raise ConfigError(f"{cfg.origin(key)}: the run would plan {need:,} batches ({per_epoch:,} per epoch); at "
                           f"most {MAX_PLANNED_BATCHES:,} are planned at once (the batch ledger is held in memory)",
                           key=key)
-    order: list[BatchInfo] = []
+    order: list[Batch] = []
     if cfg.trainer.epochs:
         for e in range(cfg.trainer.epochs):
-            order.extend(BatchInfo(b.batch_id, b.epoch, b.sample_ids, b.pad_to) for b in plan.epoch(e))
+            order.extend(plan.epoch(e))
     else:
         need, e = cfg.trainer.max_steps * per_step, 0
         while len(order) < need:
-            order.extend(BatchInfo(b.batch_id, b.epoch, b.sample_ids, b.pad_to) for b in plan.epoch(e))
+            order.extend(plan.epoch(e))
             e += 1
         order = order[:need]
     usable = len(order) // per_step * per_step
@@ -267,11 +252,8 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         notes.append(f"{len(order) - usable} trailing batch(es) dropped so every consumer takes the same steps")
         order = order[:usable]
     cfg.trainer.max_steps = usable // per_step
-    dtypes = []
-    for d in cfg.producer.devices:
-        dt = cfg.producer.dtype if cfg.producer.dtype != "auto" else ("bfloat16" if d.startswith("cuda") else "float32")
-        dtypes.append(dt)
-    widest = max(dtypes, key=lambda d: DTYPE_BYTES[d])
+    dtypes = [resolve_dtype(cfg.producer.dtype, d) for d in producer_devices]
+    widest = max(dtypes, key=lambda d: d.itemsize)
     max_real = max(dc.max_tokens, int(ds.lengths.max()))
     need_slot = slot_bytes_for(max_real, dc.max_batch_size, len(ids), H, widest, cfg.trainer.label_source,
                                cfg.trainer.distill_topk)
@@ -288,6 +270,6 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
                           f"{free / 2**20:.1f} MiB is free")
     return RunPlan(order=order, total_steps=cfg.trainer.max_steps, batches_per_epoch=per_epoch,
                    slot_bytes=cfg.ring.slot_bytes, ring_bytes=ring_bytes, target_layer_ids=list(ids),
-                   hidden_size=H, num_layers=L, dtype_per_producer=dtypes, plan_summary=plan.summary(),
-                   notes=notes, data_digest=ds.content_digest(), data_samples=len(ds), data_tokens=ds.num_tokens,
-                   batch_plan=plan)
+                   hidden_size=H, num_layers=L, dtype_per_producer=[DTYPE_NAMES[d] for d in dtypes],
+                   plan_summary=plan.summary(), notes=notes, data_digest=ds.content_digest(), data_samples=len(ds),
+                   data_tokens=ds.num_tokens, batch_plan=plan)

@@ -67,6 +67,7 @@ from specring.supervisor.peers import CommandGate, LogLimiter
 from specring.supervisor.progress import Progress
 from specring.supervisor.resume import checkpoint_step_on_disk, read_checkpoint_batches
 from specring.supervisor.runplan import RunPlan
+from specring.supervisor.status import write_status
 
 log = logging.getLogger(__name__)
 
@@ -351,7 +352,6 @@ class Supervisor:
             if child.proc is not None and child.proc.poll() is not None and child.state not in ("backoff", "failed", "exited"):
                 self._exited(child)
                 code = child.proc.returncode
-                child.last_exitcode = code
                 graceful = child.graceful_restart
                 old_gen = child.generation
                 child.generation = co.producer_died(child.index)
@@ -380,7 +380,6 @@ class Supervisor:
             if child.proc is not None and child.proc.poll() is not None and child.state not in ("exited", "failed"):
                 self._exited(child)
                 code = child.proc.returncode
-                child.last_exitcode = code
                 if code == 0 and self.stop_reason:
                     child.state = "exited"
                     continue
@@ -469,7 +468,7 @@ class Supervisor:
                 next_status = now + STATUS_EVERY_S
                 self._kill_orphans()  # e.g. a daemon that a live child's helper double-forked
                 self.progress.refresh(co, self.producers, self.tokens_per_s())
-                self._write_status()
+                write_status(self.run_dir, self.run_id, self.status_rows())
 
     def tokens_per_s(self) -> float:
         """Target tokens trained per second between the first and the latest optimizer step (all ranks;
@@ -510,11 +509,9 @@ class Supervisor:
             if c.alive():
                 log.warning("consumer=%d still running %.1fs after shutdown (quiet %.1fs); terminating", c.index,
                             time.monotonic() - start, time.monotonic() - max(c.last_heartbeat, c.last_progress))
-            elif c.proc is not None and c.state == "stopping":
-                c.last_exitcode = c.proc.returncode
-                if c.proc.returncode != 0:
-                    log.error("consumer_died_at_shutdown consumer=%d exitcode=%s error=%s", c.index,
-                              c.proc.returncode, self.consumer_error or "-")
+            elif c.proc is not None and c.state == "stopping" and c.proc.returncode != 0:
+                log.error("consumer_died_at_shutdown consumer=%d exitcode=%s error=%s", c.index,
+                          c.proc.returncode, self.consumer_error or "-")
         for c in self.producers:
             if c.alive():
                 c.state = "stopping"
@@ -528,10 +525,9 @@ class Supervisor:
         deadline = time.monotonic() + timeout
         for c in self.consumers + self.producers:
             if c.proc is not None:
-                code = terminate(c.proc, max(0.0, deadline - time.monotonic()))
+                terminate(c.proc, max(0.0, deadline - time.monotonic()))
                 if c.state not in ("failed",):
                     c.state = "exited"
-                c.last_exitcode = code
         deadline = time.monotonic() + ORPHAN_REAP_S
         while self._kill_orphans() and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -548,12 +544,6 @@ class Supervisor:
             except FileNotFoundError:
                 pass
         log.info("cleanup rings=%d socket=%s", len(self.rings), addr)
-
-    def _write_status(self) -> None:
-        p = self.run_dir / "status.json"
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": os.getpid(), "run_id": self.run_id, "rows": self.status_rows()}))
-        os.replace(tmp, p)
 
     def _checkpoint_from_disk(self) -> None:
         """Take ``checkpoints/latest`` as the last checkpoint when it is newer than the last one reported."""

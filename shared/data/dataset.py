@@ -353,23 +353,6 @@ class BatchPlan:
         """Batches per epoch (the same for every epoch: buckets and their batch sizes do not change)."""
         return sum(-(-len(m) // bs) for m, bs in zip(self._bucket_members, self.bucket_batch_size))
 
-    @staticmethod
-    def batch_id_epoch(batch_id: int) -> tuple[int, int]:
-        """``(epoch, position)`` encoded in a ``batch_id``."""
-        return divmod(int(batch_id), BATCH_ID_STRIDE)
-
-    @staticmethod
-    def shard(batches: Sequence[Batch], rank: int, world_size: int) -> list[Batch]:
-        """Batches of consumer ``rank`` out of ``world_size``: every ``world_size``-th batch from ``rank``.
-
-        The shards of all ranks are disjoint and their union is ``batches``; shard sizes differ by at most 1.
-        """
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        return list(batches[rank::world_size])
-
     def summary(self, epoch: int = 0) -> str:
         """Human-readable summary: samples, batches per epoch, sequences per batch, padding, one line per bucket."""
         batches = self.epoch(epoch)

@@ -22,6 +22,7 @@ import numpy as np
 from specring.shared.config import MAX_INT32, check_numbers, num
 from specring.shared.data.dataset import has_anchor
 from specring.shared.errors import ConfigError
+from specring.shared.models.target_config import CONFIG_FILE, read_target_config, text_config
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +84,8 @@ def load_tokenizer(tokenizer_dir: str | Path):
 
 def vocab_size_of(tokenizer_dir: str | Path, tok) -> int:
     """Embedding rows of the target: ``vocab_size`` of a ``config.json`` next to the tokenizer, else ``len(tok)``."""
-    cfg = Path(tokenizer_dir) / "config.json"
-    if cfg.is_file():
-        v = json.loads(cfg.read_text()).get("vocab_size")
+    if (Path(tokenizer_dir) / CONFIG_FILE).is_file():
+        v = text_config(read_target_config(tokenizer_dir, flag="--tokenizer")).get("vocab_size")
         if isinstance(v, int) and v > 0:
             return v
     return len(tok)

@@ -45,6 +45,7 @@ from specring.shared.models.draft_attention import (
     flex_attention_fn,
 )
 from specring.shared.models.target import resolve_layer_ids
+from specring.shared.models.target_config import read_target_config, text_config
 
 logger = logging.getLogger(__name__)
 
@@ -56,11 +57,6 @@ HEAD_KEY = "lm_head.weight"
 
 
 FROZEN_KEYS = (EMBED_KEY, HEAD_KEY)
-
-
-def _text_config(cfg: dict) -> dict:
-    """The language-model part of a target config (multimodal configs nest it in ``text_config``)."""
-    return cfg.get("text_config", cfg) if "hidden_size" not in cfg else cfg
 
 
 def _rope_theta(cfg: dict) -> float:
@@ -161,9 +157,8 @@ class DFlashConfig:
         ``resolve_mask_token_id(target_dir)``. Raises ``ConfigError`` (a ``ValueError``) for layer ids outside
         the target or repeated.
         """
-        path = Path(target_dir) / "config.json"
-        raw = json.loads(path.read_text())
-        cfg = _text_config(raw)
+        raw = read_target_config(target_dir)
+        cfg = text_config(raw)
         num_layers = int(cfg["num_hidden_layers"])
         target_layer_ids = resolve_layer_ids(num_layers, target_layer_ids, num_target_layers, exact=False)
         if mask_token_id is None:
@@ -577,7 +572,3 @@ def build_drafter(dcfg: DFlashConfig, target_dir: str | Path | None = None, devi
     if target_dir is not None:
         model.load_target_head(target_dir)
     return model
-
-
-def num_trainable_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -33,7 +33,6 @@ target's vocabulary, ``Vd`` the draft vocabulary):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specring.shared.errors import ConfigError
-from specring.shared.models.dflash import RMSNorm, _rope_theta, _text_config, apply_rope, read_target_head, rope_cos_sin
+from specring.shared.models.dflash import RMSNorm, _rope_theta, apply_rope, read_target_head, rope_cos_sin
+from specring.shared.models.target_config import read_target_config, text_config
 
 DEFAULT_DRAFT_VOCAB = 32000
 DEFAULT_TTT_STEPS = 7
@@ -135,8 +135,8 @@ class Eagle3Config:
         """Size a drafter like the target in ``target_dir`` (its ``config.json``): the layer of a target decoder
         layer, ``min(draft_vocab_size, V)``. Raises ``ConfigError`` for layer ids outside the target or not three
         distinct ones."""
-        raw = json.loads((Path(target_dir) / "config.json").read_text())
-        cfg = _text_config(raw)
+        raw = read_target_config(target_dir)
+        cfg = text_config(raw)
         num_layers = int(cfg["num_hidden_layers"])
         ids = default_eagle3_layer_ids(num_layers) if target_layer_ids is None else [int(i) for i in target_layer_ids]
         if len(ids) != 3 or len(set(ids)) != 3 or any(not 0 <= i < num_layers for i in ids):

@@ -152,22 +152,6 @@ class Eagle3Proposer:
         return drafts
 
 
-class NoDraftProposer:
-    """Proposes nothing: speculative decoding degenerates to one token per target forward (τ = 1)."""
-
-    name = "no-draft"
-    needs_features = False
-
-    def reset(self, prompt_ids: list[int]) -> None:
-        pass
-
-    def add_context(self, features, positions) -> None:
-        pass
-
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        return []
-
-
 # ---------------------------------------------------------------------------------------------- decoding
 @dataclass
 class DecodeResult:

@@ -19,20 +19,18 @@ not exist) raises ``shared.errors.ConfigError`` with a message that names the id
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from specring.shared.devices import resolve_device, resolve_dtype
 from specring.shared.errors import ConfigError
+from specring.shared.models.target_config import read_target_config
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 # ------------------------------------------------------------------------------------------------ layer ids
@@ -117,46 +115,6 @@ def _layer_error(key: str, detail: str) -> ConfigError:
     return ConfigError(f"{key}: {detail}", key=key, detail=detail)
 
 
-# ------------------------------------------------------------------------------------------------ devices
-_DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
-
-
-def resolve_device(spec: str | torch.device) -> torch.device:
-    """Validate a device string (``"cpu"``, ``"cuda"``, ``"cuda:N"``) against this machine.
-
-    Raises ``ConfigError`` naming the device for an unknown kind, CUDA requested where there is none, or an
-    index past ``torch.cuda.device_count()``. ``"cuda"`` resolves to ``cuda:0``.
-    """
-    text = str(spec).strip()
-    m = _DEVICE_RE.match(text)
-    if not m:
-        raise ConfigError(f"device {text!r} is not understood: use cpu, cuda or cuda:N")
-    kind, index = m.group(1), m.group(2)
-    if kind == "cpu":
-        if index not in (None, "0"):
-            raise ConfigError(f"device {text!r}: cpu takes no index")
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ConfigError(f"device {text!r} does not exist: CUDA is not available on this machine")
-    count = torch.cuda.device_count()
-    idx = int(index) if index is not None else 0
-    if idx >= count:
-        raise ConfigError(f"device {text!r} does not exist: this machine has {count} CUDA device(s) "
-                          f"(cuda:0..cuda:{count - 1})")
-    return torch.device("cuda", idx)
-
-
-def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """``"auto"`` is bfloat16 on CUDA and float32 on CPU; otherwise the named dtype (``ConfigError`` if unknown)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
-
 # ------------------------------------------------------------------------------------------------ loading
 def check_checkpoint(path: str | Path):
     """The checkpoint's ``PretrainedConfig``, after checking that ``path`` is a local causal-LM checkpoint.
@@ -172,13 +130,8 @@ def check_checkpoint(path: str | Path):
         raise ConfigError(f"target checkpoint directory {str(path)!r} does not exist")
     if not path.is_dir():
         raise ConfigError(f"target {str(path)!r} is not a directory (expected a Hugging Face checkpoint directory)")
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"target {str(path)!r} has no config.json: not a Hugging Face checkpoint")
-    try:
-        raw = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"target {str(path)!r}: config.json cannot be read: {e}") from None
-    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    raw = read_target_config(path, flag=f"target {str(path)!r}")
+    model_type = raw.get("model_type")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ConfigError(f"target {str(path)!r} is not a causal language model: model_type {model_type!r} "
                           f"has no AutoModelForCausalLM class")

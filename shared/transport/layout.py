@@ -8,7 +8,7 @@ byte offset: ``[[name, dtype, [d0, d1, ...], offset], ...]`` (plain lists and st
 ``write_tensors`` copies tensors into the buffer (the one copy a payload costs); ``read_tensors`` returns
 views on the buffer (no copy), so a reader that keeps them must copy before the slot is released.
 
-Supported dtypes: every dtype in ``DTYPES`` (bool, the integer types, float16/32/64, bfloat16,
+Supported dtypes: every dtype in ``shared.devices.DTYPES`` (bool, the integer types, float16/32/64, bfloat16,
 complex64/128). Shapes of any rank, zero-sized dimensions included.
 """
 
@@ -18,28 +18,10 @@ from typing import Mapping
 
 import torch
 
+from specring.shared.devices import DTYPE_NAMES, DTYPES
 from specring.shared.errors import MessageError, PayloadTooLarge
 
 ALIGN = 64
-
-DTYPES: dict[str, torch.dtype] = {
-    "bool": torch.bool,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int16": torch.int16,
-    "int32": torch.int32,
-    "int64": torch.int64,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "float32": torch.float32,
-    "float64": torch.float64,
-    "complex64": torch.complex64,
-    "complex128": torch.complex128,
-}
-for _name in ("uint16", "uint32", "uint64"):
-    if hasattr(torch, _name):
-        DTYPES[_name] = getattr(torch, _name)
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 Descriptor = list  # [[name, dtype_name, shape_list, offset], ...]
 

@@ -120,10 +120,6 @@ class SlotHeader:
     flags: int
 
     @property
-    def published(self) -> bool:
-        return self.state == PUBLISHED
-
-    @property
     def state_name(self) -> str:
         return STATE_NAMES.get(self.state, f"?{self.state}")
 
@@ -146,7 +142,7 @@ class Ring:
         self.name = name
         self.owner = owner
         self._mm = mm
-        magic, version, num_slots, slot_bytes, payload_off, pid, start, run_id = RING_HEADER.unpack_from(mm, 0)
+        magic, version, num_slots, slot_bytes, payload_off, _pid, _start, run_id = RING_HEADER.unpack_from(mm, 0)
         if magic != MAGIC:
             raise SlotError(f"segment {name} is not a specring ring (magic {magic!r})")
         if version != LAYOUT_VERSION:
@@ -154,8 +150,6 @@ class Ring:
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.payload_offset = payload_off
-        self.creator_pid = pid
-        self.creator_start_time = start
         self.run_id = run_id.rstrip(b"\0").decode()
         # Through a memoryview: it holds a buffer export on the mmap for as long as any tensor view lives,
         # so close() cannot unmap memory that a view still points at (torch.frombuffer(mm) alone only

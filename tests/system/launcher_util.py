@@ -1,56 +1,20 @@
-"""Helpers for system tests that start the real launcher (``launch.py train``) and kill its children."""
+"""Helpers for system tests that start the real launcher (``launch.py train``) and kill its children.
+
+Starting the launcher, finding a child's pid and killing them all are ``benchmarks.launcher``'s (the
+benchmarks drive the launcher the same way); the fixture paths and ``make_dataset`` are ``tests.support``'s."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import psutil
-import pyarrow as pa
-import pyarrow.ipc as ipc
 
-REPO = Path(__file__).resolve().parents[2]
-TARGET = REPO / "assets" / "tiny-code-lm"
-
-
-def make_dataset(path: Path, num_samples: int = 48, seed: int = 0) -> Path:
-    """A small tokenized dataset of real stdlib code (fixture tokenizer), lengths 48..128, written as Arrow."""
-    import sysconfig
-
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(TARGET))
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    text = "".join((stdlib / name).read_text() for name in ("textwrap.py", "bisect.py", "heapq.py", "shlex.py"))
-    ids = np.asarray(tok(text)["input_ids"], dtype=np.int32)
-    rng = np.random.default_rng(seed)
-    rows, masks, src = [], [], []
-    pos = 0
-    for i in range(num_samples):
-        n = int(rng.integers(48, 129))
-        if pos + n > len(ids):
-            pos = 0
-        rows.append(ids[pos:pos + n].tolist())
-        masks.append([1] * n)
-        src.append(i)
-        pos += n
-    table = pa.table({
-        "input_ids": pa.array(rows, type=pa.list_(pa.int32())),
-        "loss_mask": pa.array(masks, type=pa.list_(pa.uint8())),
-        "source_file": pa.array([0] * num_samples, type=pa.int32()),
-        "source_row": pa.array(src, type=pa.int64()),
-    })
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with ipc.new_file(str(path), table.schema) as w:
-        w.write_table(table)
-    return path
+from tests.support import TARGET
 
 
 def small_flags(data: Path, run_dir: Path, steps: int, **extra) -> list[str]:
@@ -70,14 +34,6 @@ def small_flags(data: Path, run_dir: Path, steps: int, **extra) -> list[str]:
     return out
 
 
-def start_launcher(args: list[str], env: dict | None = None, log_path: Path | None = None) -> subprocess.Popen:
-    """Start ``launch.py train ARGS`` in its own process group; output to ``log_path``."""
-    full_env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-    out = open(log_path, "wb") if log_path else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, str(REPO / "launch.py"), "train", *args], cwd=REPO, env=full_env,
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def wait_for(cond, timeout_s: float, what: str, interval_s: float = 0.1):
     """Poll ``cond()`` until truthy; raise ``AssertionError`` naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -89,48 +45,9 @@ def wait_for(cond, timeout_s: float, what: str, interval_s: float = 0.1):
     raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
-def status_rows(run_dir: Path) -> list[dict]:
-    """Process rows from the supervisor's ``status.json`` ([] before it exists)."""
-    try:
-        return json.loads((run_dir / "status.json").read_text())["rows"]
-    except (OSError, ValueError, KeyError):
-        return []
-
-
-def child_pid(run_dir: Path, role: str, index: int, min_generation: int = 1) -> int | None:
-    """Pid of a running child with at least ``min_generation`` (None if not running yet)."""
-    for r in status_rows(run_dir):
-        if r["role"] == role and r["index"] == index and r["state"] == "running" and r["generation"] >= min_generation:
-            if r["pid"] and psutil.pid_exists(r["pid"]):
-                return r["pid"]
-    return None
-
-
-def descendants(pid: int) -> list[int]:
-    try:
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def kill_tree(proc: subprocess.Popen, pids: list[int] = ()) -> None:
-    """SIGKILL the launcher's group and any known child pids (each child has its own group)."""
-    for pid in list(pids) + descendants(proc.pid):
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        pass
+def run_id_of(run_dir: Path) -> str:
+    """The run id a run's supervisor recorded in ``topology.json``."""
+    return json.loads((run_dir / "topology.json").read_text())["run_id"]
 
 
 def segments_of(run_id: str) -> list[str]:

@@ -24,36 +24,25 @@ import psutil
 import pytest
 import zmq
 
+from benchmarks.launcher import child_pid, kill_tree, start_launcher
 from specring.shared.transport import messages as m
 from specring.shared.transport.ring import sweep_stale
+from specring.supervisor.status import read_status_rows as status_rows
+from tests.support import REPO
 from tests.system.launcher_util import (
     PID_NAMESPACE,
-    REPO,
-    child_pid,
     fault_helpers,
-    kill_tree,
-    make_dataset,
     metrics_batch_ids,
     pid_namespace_problem,
     process_alive,
+    run_id_of,
     segments_of,
     small_flags,
-    start_launcher,
-    status_rows,
     summary,
     wait_for,
 )
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    return make_dataset(tmp_path_factory.mktemp("data") / "small.arrow")
-
-
-def _run_id(run_dir: Path) -> str:
-    return json.loads((run_dir / "topology.json").read_text())["run_id"]
 
 
 def _host_pid(run_dir: Path, module: str, index: int) -> int | None:
@@ -95,7 +84,7 @@ def test_runs_in_other_pid_namespaces_sharing_dev_shm_leave_each_other_alone(dat
     proc_b = None
     try:
         wait_for(lambda: child_pid(run_a, "producer", 0) and child_pid(run_a, "producer", 1), 120, "run A's producers")
-        segs_a = segments_of(_run_id(run_a))
+        segs_a = segments_of(run_id_of(run_a))
         assert len(segs_a) == 2, segs_a
         args_b = small_flags(dataset, run_b, 40)
         proc_b = subprocess.Popen([*PID_NAMESPACE, sys.executable,
@@ -105,14 +94,14 @@ def test_runs_in_other_pid_namespaces_sharing_dev_shm_leave_each_other_alone(dat
         wait_for(lambda: _running(run_b, "producer", 0) and _running(run_b, "producer", 1), 120,
                  "run B's producers (in their own PID namespace)")
         assert json.loads((run_b / "topology.json").read_text())["supervisor_pid"] == 1
-        assert segments_of(_run_id(run_a)) == segs_a, "run B's start-up sweep removed run A's live segments"
-        segs_b = segments_of(_run_id(run_b))
+        assert segments_of(run_id_of(run_a)) == segs_a, "run B's start-up sweep removed run A's live segments"
+        segs_b = segments_of(run_id_of(run_b))
         assert len(segs_b) == 2, segs_b
 
         out = subprocess.run([sys.executable, "launch.py", "clean", "--run-dir", str(run_b)], cwd=REPO,
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
-        assert segments_of(_run_id(run_b)) == segs_b, f"clean here removed run B's live segments: {out.stdout}"
+        assert segments_of(run_id_of(run_b)) == segs_b, f"clean here removed run B's live segments: {out.stdout}"
         assert (run_b / "coord.sock").exists(), f"clean here removed run B's live socket: {out.stdout}"
         out = subprocess.run([sys.executable, "launch.py", "status", "--run-dir", str(run_b)], cwd=REPO,
                              capture_output=True, text=True, timeout=60)
@@ -124,7 +113,7 @@ def test_runs_in_other_pid_namespaces_sharing_dev_shm_leave_each_other_alone(dat
         assert proc_b.wait(timeout=150) == 0, (tmp_path / "b.log").read_text()[-3000:]
         s_b = _exactly_once(run_b, 40)
         assert s_b["restarts"]["0"] >= 1, s_b
-        assert segments_of(_run_id(run_a)) == segs_a
+        assert segments_of(run_id_of(run_a)) == segs_a
         os.kill(proc_a.pid, signal.SIGINT)
         assert proc_a.wait(timeout=90) == 130, (tmp_path / "a.log").read_text()[-3000:]
     finally:
@@ -133,9 +122,9 @@ def test_runs_in_other_pid_namespaces_sharing_dev_shm_leave_each_other_alone(dat
                 kill_tree(p)
                 for run_dir in (run_a, run_b):  # what a SIGKILLed run leaves, the next start would sweep
                     if (run_dir / "topology.json").is_file():
-                        sweep_stale(_run_id(run_dir))
+                        sweep_stale(run_id_of(run_dir))
     assert summary(run_a)["exit_reason"] == "interrupted"
-    assert segments_of(_run_id(run_a)) == [] and segments_of(_run_id(run_b)) == []
+    assert segments_of(run_id_of(run_a)) == [] and segments_of(run_id_of(run_b)) == []
     log_b = (tmp_path / "b.log").read_text()
     assert "does not exist" not in log_b and "FileNotFoundError" not in log_b
 

@@ -20,33 +20,22 @@ import psutil
 import pytest
 import zmq
 
+from benchmarks.launcher import child_pid, kill_tree, start_launcher
 from specring.shared.transport import messages as m
+from specring.supervisor.status import read_status_rows as status_rows
+from tests.support import REPO
 from tests.system.launcher_util import (
-    REPO,
-    child_pid,
     fault_helpers,
-    kill_tree,
-    make_dataset,
     metrics_batch_ids,
     process_alive,
+    run_id_of,
     segments_of,
     small_flags,
-    start_launcher,
-    status_rows,
     summary,
     wait_for,
 )
 
 pytestmark = pytest.mark.timeout(300)
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    return make_dataset(tmp_path_factory.mktemp("data") / "small.arrow")
-
-
-def _run_id(run_dir: Path) -> str:
-    return json.loads((run_dir / "topology.json").read_text())["run_id"]
 
 
 def _finish(proc: subprocess.Popen, timeout_s: float) -> int:
@@ -183,7 +172,7 @@ def test_sigkill_of_launcher_takes_children_down_and_next_run_sweeps(dataset, tm
         wait_for(lambda: child_pid(run_dir, "consumer", 0) and child_pid(run_dir, "producer", 1), 120, "children up")
         helpers = wait_for(lambda: len(fault_helpers(run_dir)) == 4 and fault_helpers(run_dir), 30, "helpers up")
         kids = [r["pid"] for r in status_rows(run_dir) if r["pid"]]
-        run_id = _run_id(run_dir)
+        run_id = run_id_of(run_dir)
         assert segments_of(run_id)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(10)

@@ -8,25 +8,12 @@ heartbeat still going) must still be found, by the per-batch budget ``monitor.ba
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from tests.system.launcher_util import (
-    kill_tree,
-    make_dataset,
-    metrics_batch_ids,
-    small_flags,
-    start_launcher,
-    summary,
-)
+from benchmarks.launcher import kill_tree, start_launcher
+from tests.system.launcher_util import metrics_batch_ids, small_flags, summary
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
-    return make_dataset(tmp_path_factory.mktemp("data") / "small.arrow")
 
 
 def test_batches_slower_than_the_hang_timeout_train_and_a_stalled_forward_is_killed(dataset, tmp_path):

@@ -18,16 +18,11 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
+from benchmarks.launcher import kill_tree, start_launcher
 from specring.cli.train import build_parser, config_from_args
 from specring.supervisor.runplan import resolve_run
-from tests.system.launcher_util import (
-    REPO,
-    kill_tree,
-    segments_of,
-    small_flags,
-    start_launcher,
-    summary,
-)
+from tests.support import REPO
+from tests.system.launcher_util import segments_of, small_flags, summary
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -19,16 +19,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks.launcher import kill_tree, start_launcher
 from specring.cli.prepare import main as prepare_main
 from specring.cli.train import train_main
-from tests.system.launcher_util import (
-    REPO,
-    kill_tree,
-    small_flags,
-    start_launcher,
-    summary,
-    wait_for,
-)
+from tests.support import REPO
+from tests.system.launcher_util import small_flags, summary, wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -26,7 +26,6 @@ import pytest
 import zmq
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
@@ -34,7 +33,10 @@ import ring_worker  # noqa: E402
 
 from specring.shared.transport import layout, messages, ring  # noqa: E402
 from specring.shared.transport.ring import PUBLISHED, WRITING, Ring  # noqa: E402
+from tests.support import REPO  # noqa: E402
 from tests.system.launcher_util import PID_NAMESPACE, pid_namespace_problem  # noqa: E402
+
+ROOT = str(REPO)
 
 WORKER = os.path.join(HERE, "ring_worker.py")
 WAIT_S = 30.0  # the longest any single wait for a child may take (child start-up imports torch)

@@ -8,18 +8,15 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from specring.consumer.trainer import Trainer, make_batch_in_process
+from specring.consumer.trainer import Trainer
 from specring.shared.config import TrainerConfig
 from specring.shared.models.dflash import DFlashConfig
-from tests.unit.test_trainer import cat_batches
+from tests.support import REPO, TARGET, cat_batches, make_batch_in_process
 
-REPO = Path(__file__).resolve().parents[2]
-TARGET = REPO / "assets" / "tiny-code-lm"
 LAYERS = [1, 3, 5]
 STEPS = 2
 TIMEOUT_S = 180

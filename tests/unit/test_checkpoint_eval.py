@@ -8,7 +8,7 @@ from specring.consumer.tau import CheckpointEvaluator
 from specring.consumer.trainer import dflash_config_from_run
 from specring.shared.config import DataConfig, ProducerConfig, RunConfig, TrainerConfig
 from specring.shared.models.dflash import build_drafter
-from tests.system.launcher_util import TARGET, make_dataset
+from tests.support import TARGET, make_dataset
 
 
 def test_checkpoint_evaluator_writes_tau_records(tmp_path):

@@ -132,7 +132,6 @@ def test_run_dir_is_held_by_one_launcher_and_a_broken_latest_pointer_is_named(tm
 
 def test_train_resume_without_run_dir_reads_the_run_latest_points_at(tmp_path, monkeypatch, capsys):
     from specring.cli.train import train_main
-    from specring.supervisor import resume
 
     monkeypatch.chdir(tmp_path)  # runs go under the current directory
     (tmp_path / "runs" / "20260101-000000").mkdir(parents=True)

@@ -4,19 +4,19 @@ import random
 
 import pytest
 
+from specring.shared.data.dataset import Batch
 from specring.shared.transport import messages as m
 from specring.supervisor.coordinator import (
     FREE,
     READING,
     READY,
     WRITING,
-    BatchInfo,
     Coordinator,
 )
 
 
 def order(n, start=0):
-    return [BatchInfo(batch_id=start + i, epoch=0, sample_ids=[i], pad_to=8) for i in range(n)]
+    return [Batch(batch_id=start + i, epoch=0, sample_ids=(i,), pad_to=8) for i in range(n)]
 
 
 def ready(lease: m.Lease, producer: int) -> m.SlotReady:

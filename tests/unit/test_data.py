@@ -27,8 +27,7 @@ from specring.shared.data.dataset import (
     collate,
     sidecar_path,
 )
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.support import REPO
 
 
 def write_arrow(path: Path, rows: list[tuple[list[int], list[int]]], chunk_rows: int = 1000,
@@ -178,7 +177,7 @@ def test_plan_batch_ids_stable_unique_and_decodable():
     e0, e1 = plan.epoch(0), plan.epoch(1)
     all_ids = [b.batch_id for b in e0 + e1]
     assert len(set(all_ids)) == len(all_ids)
-    assert [BatchPlan.batch_id_epoch(b.batch_id) for b in e1] == [(1, i) for i in range(len(e1))]
+    assert [divmod(b.batch_id, BATCH_ID_STRIDE) for b in e1] == [(1, i) for i in range(len(e1))]
     assert e1[0].batch_id == BATCH_ID_STRIDE
     assert plan.epoch(0) == e0 and _plan(LENGTHS).epoch(1) == e1
 
@@ -208,9 +207,9 @@ print(hashlib.sha1(repr([(x.batch_id, x.sample_ids, x.pad_to) for x in b]).encod
 
 def test_plan_identical_in_another_process():
     # A second interpreter with a different hash seed: nothing may depend on hash() or process state.
-    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(REPO_ROOT))
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True, timeout=120,
-                         env=env, cwd=REPO_ROOT, check=True).stdout.strip()
+                         env=env, cwd=REPO, check=True).stdout.strip()
     assert out == _digest(_plan(LENGTHS).epoch(2))
 
 
@@ -230,16 +229,6 @@ def test_plan_bucket_edges():
         _plan([3, 0, 2])
     quantile = _plan(LENGTHS, num_buckets=4)
     assert len(quantile.edges) == 5 and quantile.edges[0] == LENGTHS.min() and quantile.edges[-1] == LENGTHS.max() + 1
-
-
-def test_plan_shard_partitions_batches():
-    batches = _plan(LENGTHS).epoch(0)
-    shards = [BatchPlan.shard(batches, r, 3) for r in range(3)]
-    ids = [b.batch_id for s in shards for b in s]
-    assert sorted(ids) == sorted(b.batch_id for b in batches) and len(set(ids)) == len(ids)
-    assert max(map(len, shards)) - min(map(len, shards)) <= 1
-    with pytest.raises(ValueError, match="rank"):
-        BatchPlan.shard(batches, 3, 3)
 
 
 def test_plan_summary_lines():

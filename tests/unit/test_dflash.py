@@ -2,7 +2,6 @@
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +13,7 @@ from specring.consumer.blocks import build_block_batch
 from specring.shared.models.dflash import DFlashConfig, DFlashDrafter, build_drafter
 from specring.shared.models.draft_attention import build_attention_mask
 from specring.shared.models.target import default_target_layer_ids
-
-TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
+from tests.support import TARGET
 
 
 def _target_tensor(name):

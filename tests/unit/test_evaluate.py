@@ -30,7 +30,6 @@ from specring.shared.models.ngram import PromptLookupProposer
 from specring.shared.models.speculative import (
     DecodeResult,
     DFlashProposer,
-    NoDraftProposer,
     evaluate_tau,
     greedy_generate,
     load_prompts,
@@ -39,8 +38,8 @@ from specring.shared.models.speculative import (
     untrained_drafter,
 )
 from specring.shared.models.target import load_target
+from tests.support import TARGET, NoDraftProposer
 
-TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 LAYERS = [1, 3, 5]
 EOS = 0
 NEW = 24

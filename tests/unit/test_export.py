@@ -30,9 +30,8 @@ from specring.shared.models.dflash import (
     DFlashConfig,
     build_drafter,
 )
-from tests.system.launcher_util import make_dataset
+from tests.support import TARGET, make_dataset
 
-TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 LAYERS = [1, 3, 5]
 
 

@@ -14,7 +14,6 @@ import math
 import subprocess
 import sys
 import typing
-from pathlib import Path
 
 import pytest
 
@@ -23,9 +22,7 @@ from specring.cli.prepare import main as prepare_main
 from specring.cli.train import build_parser, config_from_args
 from specring.shared import config as C
 from specring.shared.errors import ConfigError
-
-REPO = Path(__file__).resolve().parents[2]
-
+from tests.support import REPO
 
 def _numeric(spec) -> bool:
     base = spec.base_type
@@ -104,7 +101,7 @@ def test_slot_mb_inf_is_an_error_not_a_traceback():
 
 def test_a_run_too_long_to_plan_names_max_steps(tmp_path):
     from specring.supervisor.runplan import resolve_run
-    from tests.system.launcher_util import make_dataset
+    from tests.support import make_dataset
 
     data = make_dataset(tmp_path / "d.arrow", num_samples=8)
     cfg = config_from_args(build_parser().parse_args(["--data", str(data), "--max-steps", "1000000000",

@@ -12,7 +12,8 @@ import os
 import pytest
 import torch
 
-from specring.producers.producer import INJECT_ENV, Producer, parse_batch_ids
+from specring.producers.producer import Producer
+from specring.shared import faults
 from specring.shared.config import DEFAULT_TARGET, ProducerConfig
 from specring.shared.errors import ConfigError
 from specring.shared.models.target import load_target
@@ -218,7 +219,7 @@ def test_malformed_batches_raise_naming_the_problem(model, slot_ring):
 
 # ------------------------------------------------------------------------------------------ config
 def test_from_config_builds_with_default_ids_and_env_injection(slot_ring, monkeypatch):
-    monkeypatch.setenv(INJECT_ENV, "12, 13")
+    monkeypatch.setenv(faults.INJECT_NONFINITE_ENV, "12, 13")
     cfg = ProducerConfig(devices=["cpu"], num_target_layers=3)
     p = Producer.from_config(cfg, 0, slot_ring, generation=5, checksum=True)
     assert p.layer_ids == [1, 3, 5] and p.inject_nonfinite == {12, 13} and p.checksum
@@ -235,22 +236,21 @@ def test_from_config_names_bad_ids_and_indices(slot_ring):
 
 
 def test_parse_batch_ids():
-    assert parse_batch_ids(None) == set() and parse_batch_ids(" ") == set()
-    assert parse_batch_ids("3, 17,42,") == {3, 17, 42}
+    assert faults.parse_batch_ids(None) == set() and faults.parse_batch_ids(" ") == set()
+    assert faults.parse_batch_ids("3, 17,42,") == {3, 17, 42}
     with pytest.raises(ConfigError, match="'x'"):
-        parse_batch_ids("3,x")
+        faults.parse_batch_ids("3,x")
 
 
 def test_slow_write_env_is_parsed_and_checked(monkeypatch):
-    from specring.producers.main import SLOW_WRITE_ENV, slow_write_from_env
-    monkeypatch.delenv(SLOW_WRITE_ENV, raising=False)
-    assert slow_write_from_env() == 0.0
-    monkeypatch.setenv(SLOW_WRITE_ENV, "0.25")
-    assert slow_write_from_env() == 0.25
+    monkeypatch.delenv(faults.SLOW_WRITE_ENV, raising=False)
+    assert faults.slow_write_s() == 0.0
+    monkeypatch.setenv(faults.SLOW_WRITE_ENV, "0.25")
+    assert faults.slow_write_s() == 0.25
     for bad in ("soon", "-1"):
-        monkeypatch.setenv(SLOW_WRITE_ENV, bad)
-        with pytest.raises(ConfigError, match=SLOW_WRITE_ENV):
-            slow_write_from_env()
+        monkeypatch.setenv(faults.SLOW_WRITE_ENV, bad)
+        with pytest.raises(ConfigError, match=faults.SLOW_WRITE_ENV):
+            faults.slow_write_s()
 
 
 def test_slow_write_holds_the_slot_before_publishing(model, slot_ring):

@@ -3,12 +3,13 @@
 import logging
 from types import SimpleNamespace
 
-from specring.supervisor.coordinator import BatchInfo, Coordinator
+from specring.shared.data.dataset import Batch
+from specring.supervisor.coordinator import Coordinator
 from specring.supervisor.progress import Progress
 
 
 def test_non_interactive_progress_logs_key_value_lines_without_carriage_returns(caplog, capsys):
-    co = Coordinator([BatchInfo(batch_id=i, epoch=0, sample_ids=[i], pad_to=8) for i in range(4)], num_producers=2,
+    co = Coordinator([Batch(batch_id=i, epoch=0, sample_ids=(i,), pad_to=8) for i in range(4)], num_producers=2,
                      num_slots=3, num_consumers=1)
     producers = [SimpleNamespace(index=0, restarts=1), SimpleNamespace(index=1, restarts=0)]
     p = Progress(total_steps=4, num_producers=2, log_interval_s=0.0, interactive=False)

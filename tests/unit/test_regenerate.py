@@ -15,8 +15,8 @@ from specring.cli import regenerate as rg
 from specring.shared.data.dataset import TokenDataset
 from specring.shared.data.encode import _result
 from specring.shared.data.writer import ArrowSink
+from tests.support import TARGET
 
-TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 EOS = 0
 
 

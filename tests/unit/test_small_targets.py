@@ -22,7 +22,7 @@ from specring.shared.models.target import (
     load_target,
 )
 from specring.supervisor.runplan import resolve_run
-from tests.system.launcher_util import make_dataset
+from tests.support import make_dataset
 
 
 def write_qwen3(path: Path, num_layers: int, seed: int = 0) -> Path:

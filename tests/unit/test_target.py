@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specring.shared.config import DEFAULT_TARGET
+from specring.shared.devices import resolve_device
 from specring.shared.errors import ConfigError
 from specring.shared.models import target
 from specring.shared.models.target import (
@@ -20,7 +21,6 @@ from specring.shared.models.target import (
     StopForward,
     default_target_layer_ids,
     load_target,
-    resolve_device,
     resolve_layer_ids,
 )
 

@@ -5,19 +5,18 @@ import functools
 import json
 import math
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from specring.consumer.trainer import Trainer, lr_factor, make_batch_in_process
+from specring.consumer.trainer import Trainer, lr_factor
 from specring.shared import checkpoint as ckpt
 from specring.shared.config import TrainerConfig
 from specring.shared.errors import BadBatch
 from specring.shared.models.dflash import DFlashConfig
+from tests.support import TARGET, cat_batches, evaluate_batch, make_batch_in_process, windows
 
-TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 LAYERS = [1, 3, 5]
 
 
@@ -33,19 +32,6 @@ def demo():
     from specring.shared.data.demo import ensure_demo
     train, heldout = ensure_demo()
     return TokenDataset(train), TokenDataset(heldout)
-
-
-def windows(ds, count, seq_len, first=0):
-    """``count`` windows of ``seq_len`` tokens from rows spread over ``ds`` (middle third of each row)."""
-    rows = [i for i in range(len(ds)) if ds.lengths[i] >= seq_len]
-    stride = max(1, len(rows) // (count + first))
-    out = []
-    for r in rows[first * stride::stride][:count]:
-        ids, lm = ds[r]
-        s = (len(ids) - seq_len) // 3
-        out.append((torch.from_numpy(ids[s:s + seq_len].copy()), torch.from_numpy(lm[s:s + seq_len].copy())))
-    assert len(out) == count
-    return out
 
 
 def make_batches(target, seqs, per_batch):
@@ -91,18 +77,6 @@ def same_update(w0, a, b, rel=0.02):
         diff = float((a[k] - b[k]).abs().max())
         assert diff <= rel * moved + 1e-7, (k, diff, moved)
     assert max(float((a[k] - w0[k]).abs().max()) for k in w0) > 1e-3  # they really moved
-
-
-def cat_batches(bs):
-    """One packed batch made of the packed batches ``bs`` (``cu_seqlens`` offset accordingly)."""
-    cu = [0]
-    for b in bs:
-        cu += [cu[-1] + int(x) for x in b["cu_seqlens"][1:]]
-    out = {"hidden": torch.cat([b["hidden"] for b in bs]), "input_ids": torch.cat([b["input_ids"] for b in bs]),
-           "loss_mask": torch.cat([b["loss_mask"] for b in bs]), "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
-    if all("target_ids" in b for b in bs):
-        out["target_ids"] = torch.cat([b["target_ids"] for b in bs])
-    return out
 
 
 def test_lr_schedule():
@@ -282,7 +256,7 @@ def test_200_steps_on_the_demo_corpus_learn(target, demo, tmp_path):
     tr = Trainer(cfg, dcfg_for(cfg, layers=2), TARGET, "cpu", tmp_path)
 
     def held_metrics():
-        ms = [tr.evaluate(b, [10_000 + i]) for i, b in enumerate(held)]
+        ms = [evaluate_batch(tr, b, [10_000 + i]) for i, b in enumerate(held)]
         return (sum(m["loss"] for m in ms) / len(ms), sum(m["accept_proxy"] for m in ms) / len(ms))
 
     loss0, acc0 = held_metrics()
@@ -319,7 +293,7 @@ def test_target_label_source_trains_on_the_targets_tokens(target, demo, tmp_path
         td.step(train[s % len(train)], [s % len(train)])
     judge = Trainer(cfg, dcfg_for(cfg, layers=1), TARGET, "cpu", tmp_path / "j", write_metrics=False)
     judge.model.load_state_dict(td.model.state_dict())
-    assert max(judge.evaluate(train[0], [0])["per_slot_acc"]) < 0.2
+    assert max(evaluate_batch(judge, train[0], [0])["per_slot_acc"]) < 0.2
 
 
 def test_warm_up_falls_back_when_a_form_cannot_compile(few, tmp_path, caplog):

@@ -1,0 +1,36 @@
+"""``RUN_DIR/status.json``: one row per child process, rewritten by the supervisor about once a second.
+
+The file is the run's state for tools that do not talk to the socket (benchmarks, tests, a person with
+``cat``); ``launch.py status`` asks the live supervisor instead and gets the same rows. It is replaced
+atomically (written aside, then renamed), so a reader sees a whole file or the previous one, never a torn
+write. It says nothing once the supervisor has exited: the rows are those of its last second.
+
+A row: ``role``, ``index``, ``pid``, ``generation``, ``state``, ``heartbeat_age_s`` (None before Hello),
+``tokens_per_s``, ``gpu_mem_bytes``, ``restarts``, ``work``/``work_s`` (what the main thread is busy with,
+from its last heartbeat), the monitor's psutil figures (``cpu_percent``, ``rss_bytes``, ``threads``) and,
+for a producer, ``ring``: its slot counts by state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+STATUS_FILE = "status.json"
+
+
+def write_status(run_dir: str | Path, run_id: str, rows: list[dict]) -> None:
+    """Replace ``run_dir/status.json`` with ``rows`` (and this process's pid and the run id)."""
+    p = Path(run_dir) / STATUS_FILE
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "run_id": run_id, "rows": rows}))
+    os.replace(tmp, p)
+
+
+def read_status_rows(run_dir: str | Path) -> list[dict]:
+    """The process rows of ``run_dir/status.json`` (``[]`` before the supervisor has written it)."""
+    try:
+        return json.loads((Path(run_dir) / STATUS_FILE).read_text())["rows"]
+    except (OSError, ValueError, KeyError):
+        return []

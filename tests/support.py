@@ -1,0 +1,149 @@
+"""What several test modules share: the checkout's paths, a small tokenized dataset, packed batches computed in
+the test's own process, and stand-ins that production code does not need.
+
+Nothing here starts a process; helpers that drive the real launcher are in ``tests/system/launcher_util.py``.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import torch
+
+from specring.shared.paths import DEFAULT_TARGET
+
+REPO = Path(__file__).resolve().parents[1]  # the checkout: launch.py, and the PYTHONPATH of helper processes
+TARGET = DEFAULT_TARGET                     # the fixture target, assets/tiny-code-lm
+
+
+# ------------------------------------------------------------------------------------------------ data
+def make_dataset(path: Path, num_samples: int = 48, seed: int = 0) -> Path:
+    """A small tokenized dataset of real stdlib code (fixture tokenizer), lengths 48..128, written as Arrow."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(TARGET))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    text = "".join((stdlib / name).read_text() for name in ("textwrap.py", "bisect.py", "heapq.py", "shlex.py"))
+    ids = np.asarray(tok(text)["input_ids"], dtype=np.int32)
+    rng = np.random.default_rng(seed)
+    rows, masks, src = [], [], []
+    pos = 0
+    for i in range(num_samples):
+        n = int(rng.integers(48, 129))
+        if pos + n > len(ids):
+            pos = 0
+        rows.append(ids[pos:pos + n].tolist())
+        masks.append([1] * n)
+        src.append(i)
+        pos += n
+    table = pa.table({
+        "input_ids": pa.array(rows, type=pa.list_(pa.int32())),
+        "loss_mask": pa.array(masks, type=pa.list_(pa.uint8())),
+        "source_file": pa.array([0] * num_samples, type=pa.int32()),
+        "source_row": pa.array(src, type=pa.int64()),
+    })
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with ipc.new_file(str(path), table.schema) as w:
+        w.write_table(table)
+    return path
+
+
+def windows(ds, count: int, seq_len: int, first: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` windows of ``seq_len`` tokens from rows spread over ``ds`` (middle third of each row), as
+    ``(input_ids [seq_len], loss_mask [seq_len])`` pairs."""
+    rows = [i for i in range(len(ds)) if ds.lengths[i] >= seq_len]
+    stride = max(1, len(rows) // (count + first))
+    out = []
+    for r in rows[first * stride::stride][:count]:
+        ids, lm = ds[r]
+        s = (len(ids) - seq_len) // 3
+        out.append((torch.from_numpy(ids[s:s + seq_len].copy()), torch.from_numpy(lm[s:s + seq_len].copy())))
+    assert len(out) == count
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ batches
+@torch.no_grad()
+def make_batch_in_process(target_model, sequences: list[tuple[torch.Tensor, torch.Tensor]],
+                          target_layer_ids: list[int], target_ids: bool = False) -> dict[str, torch.Tensor]:
+    """A packed batch computed in this process (the producer does this in a run).
+
+    ``target_model``: a Hugging Face causal LM; ``sequences``: ``(input_ids [L], loss_mask [L])`` pairs.
+    Returns ``hidden [T, n*H]`` (model dtype; layer id ``i`` = ``hidden_states[i + 1]``), ``input_ids
+    [T] int32``, ``loss_mask [T] uint8``, ``cu_seqlens [S+1] int32`` and, with ``target_ids=True``,
+    ``target_ids [T] int32`` (argmax of the logits). Sequences are right-padded into one forward (a causal
+    model's real positions do not see the padding).
+    """
+    dev = next(target_model.parameters()).device
+    lens = [int(s[0].numel()) for s in sequences]
+    pad = torch.zeros(len(sequences), max(lens), dtype=torch.long)
+    att = torch.zeros_like(pad)
+    for i, (ids, _) in enumerate(sequences):
+        pad[i, :lens[i]] = ids.long()
+        att[i, :lens[i]] = 1
+    out = target_model(input_ids=pad.to(dev), attention_mask=att.to(dev), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in target_layer_ids], dim=-1)
+    hidden = torch.cat([feats[i, :lens[i]] for i in range(len(sequences))])
+    cu = torch.zeros(len(sequences) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lens), 0)
+    out_batch = {
+        "hidden": hidden.contiguous(),
+        "input_ids": torch.cat([s[0] for s in sequences]).to(torch.int32),
+        "loss_mask": torch.cat([s[1] for s in sequences]).to(torch.uint8),
+        "cu_seqlens": cu,
+    }
+    if target_ids:
+        greedy = out.logits.argmax(-1)
+        out_batch["target_ids"] = torch.cat([greedy[i, :lens[i]] for i in range(len(sequences))]).to(torch.int32).cpu()
+    return out_batch
+
+
+def cat_batches(bs: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One packed batch made of the packed batches ``bs`` (``cu_seqlens`` offset accordingly)."""
+    cu = [0]
+    for b in bs:
+        cu += [cu[-1] + int(x) for x in b["cu_seqlens"][1:]]
+    out = {"hidden": torch.cat([b["hidden"] for b in bs]), "input_ids": torch.cat([b["input_ids"] for b in bs]),
+           "loss_mask": torch.cat([b["loss_mask"] for b in bs]), "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+    if all("target_ids" in b for b in bs):
+        out["target_ids"] = torch.cat([b["target_ids"] for b in bs])
+    return out
+
+
+@torch.no_grad()
+def evaluate_batch(trainer, batch: dict[str, torch.Tensor], batch_ids: list[int]) -> dict[str, Any]:
+    """Loss and accuracy metrics of ``trainer`` (a ``consumer.trainer.Trainer``) on ``batch`` without any
+    update (the same anchors as training would draw for these ``batch_ids``); keys as in ``Trainer.step``.
+    Nothing is all-reduced or logged."""
+    was_training = trainer.model.training
+    trainer.model.eval()
+    try:
+        t0 = time.perf_counter()
+        ids = [int(x) for x in batch_ids]
+        stats = trainer._forward_backward(batch, ids, backward=False)
+        return trainer._metrics(stats, ids, time.perf_counter() - t0)
+    finally:
+        trainer.model.train(was_training)
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+class NoDraftProposer:
+    """Proposes nothing: speculative decoding degenerates to one token per target forward (τ = 1)."""
+
+    name = "no-draft"
+    needs_features = False
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        pass
+
+    def add_context(self, features, positions) -> None:
+        pass
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return []
