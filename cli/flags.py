@@ -392,7 +392,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--config: producer.devices and trainer.devices must be lists of device names, "
                           f"got {devices[0]!r} and {devices[1]!r}")
     cpu = {}
-    if all(d == "cpu" for d in devices[0] + devices[1]):
+    if all(x.strip() == "cpu" for d in devices[0] + devices[1] for x in d.split("+")):  # cpu+cpu: a CPU group (shared.devices.GROUP_SEP; torch-free here)
         for spec in specs.values():
             if spec.has_cpu_default and spec.key not in given:
                 cpu[spec.key] = spec.meta["cpu_default"]

@@ -2,7 +2,8 @@
 
 One process per target replica, started by the supervisor (``shared.procs.spawn_child``). It attaches to
 ring ``topology.rings[I]`` (pinning it where CUDA is used), opens the dataset ``config.data.data``, loads
-the target on ``config.producer.devices[I]``, says ``Hello`` (``ctx.ready()``: only now can it take work;
+the target on ``config.producer.devices[I]`` (a device, or a device group ``cuda:0+cuda:1`` the target is split
+over), says ``Hello`` (``ctx.ready()``: only now can it take work;
 a start-up failure is a fatal ``Error`` naming the problem instead) and then serves the coordinator over
 its DEALER socket:
 
@@ -43,7 +44,7 @@ import torch
 from specring.producers.producer import Pending, Producer
 from specring.shared import faults
 from specring.shared.data.dataset import TokenDataset, collate
-from specring.shared.devices import resolve_device
+from specring.shared.devices import resolve_device_group
 from specring.shared.errors import ConfigError, MessageError, SlotError
 from specring.shared.procs import ChildContext, child_main
 from specring.shared.transport import messages
@@ -67,8 +68,9 @@ class ProducerLoop:
     """The DEALER loop around a ``Producer`` (kept apart from ``body`` so each step reads on its own)."""
 
     def __init__(self, ctx: ChildContext, producer: Producer, ds: TokenDataset, pad_id: int,
-                 forward_faults: faults.ForwardFaults | None = None):
+                 forward_faults: faults.ForwardFaults | None = None, devices: list | None = None):
         self.ctx = ctx
+        self.devices = list(devices or [producer.device])  # the whole group of a split target
         self.forward_faults = forward_faults
         self.producer = producer
         self.ds = ds
@@ -142,12 +144,11 @@ class ProducerLoop:
             self.rate_samples.popleft()
         t0, n0 = self.rate_samples[0]
         rate = (st.tokens - n0) / (now - t0) if now > t0 else 0.0
-        dev = self.producer.device
-        cuda = dev.type == "cuda"
+        cuda = [d for d in self.devices if d.type == "cuda"]  # summed over a split target's group
         return {"tokens_per_s": float(rate), "batches": st.batches, "bad_batches": st.bad_batches,
                 "tokens": st.tokens,
-                "gpu_mem_bytes": int(torch.cuda.memory_allocated(dev)) if cuda else 0,
-                "gpu_mem_reserved_bytes": int(torch.cuda.memory_reserved(dev)) if cuda else 0,
+                "gpu_mem_bytes": sum(int(torch.cuda.memory_allocated(d)) for d in cuda),
+                "gpu_mem_reserved_bytes": sum(int(torch.cuda.memory_reserved(d)) for d in cuda),
                 "current_batch": int(self.producer.current_batch)}
 
 
@@ -159,7 +160,8 @@ def body(ctx: ChildContext) -> None:
     if not 0 <= ctx.index < len(cfg.producer.devices):
         raise ConfigError(f"producer index {ctx.index} has no device: producer.devices is {cfg.producer.devices}")
     slow_write_s = faults.slow_write_s()
-    device = resolve_device(cfg.producer.devices[ctx.index])
+    group = resolve_device_group(cfg.producer.devices[ctx.index])
+    device = group[0]
     if device.type == "cpu":  # share the cores with the other processes of the run instead of oversubscribing
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // (len(cfg.producer.devices) + len(cfg.trainer.devices))))
     ring = Ring.attach(ctx.topology.rings[ctx.index])
@@ -181,7 +183,7 @@ def body(ctx: ChildContext) -> None:
         forward_faults = faults.ForwardFaults(ctx.index, ctx.generation)
         log.info("serving ring=%s slots=%d slot_bytes=%d pinned=%s data=%s samples=%d pad_id=%d",
                  ring.name, ring.num_slots, ring.slot_bytes, ring.pinned, cfg.data.data, len(ds), pad_id)
-        loop = ProducerLoop(ctx, producer, ds, pad_id, forward_faults)
+        loop = ProducerLoop(ctx, producer, ds, pad_id, forward_faults, devices=group)
         ctx.stats = loop.stats
         ctx.ready()
         loop.run()

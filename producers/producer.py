@@ -43,7 +43,7 @@ import torch
 
 from specring.shared import faults
 from specring.shared.config import ProducerConfig
-from specring.shared.devices import resolve_device
+from specring.shared.devices import resolve_device_group
 from specring.shared.errors import ConfigError, PayloadTooLarge
 from specring.shared.models.target import (
     LayerCapture,
@@ -97,7 +97,8 @@ class Producer:
         layer_ids: ids to capture (validated with ``resolve_layer_ids``; order = column-block order).
         ring: this producer's ``shared.ring.Ring`` (attached; pinned by the caller when on CUDA).
         generation: this incarnation's generation, written to slot headers and messages.
-        device: the model's device.
+        device: the device of the model's inputs (its embedding): on a target split over a device group, the
+            group's first device, on which the captured layers are gathered before the slot write.
         index: producer index, the ``producer`` field of every message.
         checksum: store a CRC32 of each payload (``RingConfig.checksum``).
         inject_nonfinite: batch ids whose hidden states get a NaN (tests; see the module docstring).
@@ -147,7 +148,8 @@ class Producer:
     def from_config(cls, cfg: ProducerConfig, index: int, ring: Ring, generation: int, *,
                     checksum: bool = False, inject_nonfinite: Iterable[int] | None = None,
                     slow_write_s: float = 0.0, label_source: str = "data", topk: int = 0) -> "Producer":
-        """Load ``cfg.target`` on ``cfg.devices[index]`` and build a producer for it.
+        """Load ``cfg.target`` on ``cfg.devices[index]`` (a device or a device group ``cuda:0+cuda:1``, over which
+        the target is split: ``shared.models.target.load_target``) and build a producer for it.
 
         ``inject_nonfinite`` defaults to ``$SPECRING_INJECT_NONFINITE`` (``shared.faults``). Raises ``ConfigError`` for a bad
         index, device, checkpoint or layer ids (see ``producers.target``).
@@ -155,7 +157,7 @@ class Producer:
         if not 0 <= index < len(cfg.devices):
             raise ConfigError(f"producer index {index} has no device: producer.devices has "
                               f"{len(cfg.devices)} entries {cfg.devices}")
-        resolve_device(cfg.devices[index])
+        resolve_device_group(cfg.devices[index])
         num_layers = getattr(check_checkpoint(cfg.target), "num_hidden_layers", None)
         if isinstance(num_layers, int):  # fail on bad ids before spending time on the weights
             resolve_layer_ids(num_layers, cfg.target_layer_ids, cfg.num_target_layers)
@@ -232,7 +234,8 @@ class Producer:
                               use_cache=False)
                 except StopForward:
                     pass
-                parts = self.capture.outputs()
+                # a split target's layers sit on several devices: the slot is written from the first one
+                parts = [p if p.device == self.device else p.to(self.device) for p in self.capture.outputs()]
                 self.normed = self.capture.final_output() if self.lm_head is not None else None
             self.capture.clear()
             self.capture.token_index = None
@@ -293,6 +296,7 @@ class Producer:
         if self.lm_head is not None:
             with torch.inference_mode():
                 next_ids, tk_ids, tk_lp = greedy_next_tokens(self.normed, self.lm_head, self.topk)
+                next_ids, tk_ids, tk_lp = (None if x is None else x.to(self.device) for x in (next_ids, tk_ids, tk_lp))
             self.normed = None
             host["target_ids"] = next_ids
             if self.topk:

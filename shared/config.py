@@ -296,7 +296,9 @@ class ProducerConfig:
                                  machine_default=lambda: default_devices()[0],
                                  default_text="cpu,cpu; with GPUs cuda:0,cuda:0 (1 or 2 GPUs), cuda:0,cuda:1 (3+)",
                                  help="one producer (a target that sends hidden states) per device, "
-                                      "e.g. cuda:0,cuda:1 or cpu,cpu")
+                                      "e.g. cuda:0,cuda:1 or cpu,cpu; a producer over several devices joins "
+                                      "them with +: cuda:0+cuda:1,cuda:2+cuda:3 (the target's layers split over "
+                                      "each group)")
     dtype: str = setting("auto", aliases=("--dtype",), choices=("auto", "bfloat16", "float16", "float32"),
                          help="target dtype; auto: bfloat16 on CUDA, float32 on CPU")
     target_layer_ids: list[int] | None = num(None, ge=0, le=2**16, aliases=("--target-layers",),

@@ -2,6 +2,8 @@
 
 * ``resolve_device("cuda:1")``: the one parser of a device string (``cpu``, ``cuda``, ``cuda:N``), checked
   against this machine.
+* ``resolve_device_group("cuda:0+cuda:1")``: a producer's device group, devices joined by ``+`` (one target
+  split over several devices); ``group_members`` splits it without looking at the machine.
 * ``DTYPES``: the one map from a dtype name (``"bfloat16"``) to a torch dtype; every dtype a slot payload may
   carry (``shared.transport.layout``). ``MODEL_DTYPES``: those a target or an exported drafter may be held
   in. ``resolve_dtype`` adds ``"auto"``: bfloat16 on CUDA, float32 on CPU.
@@ -63,6 +65,42 @@ def resolve_device(spec: str | torch.device) -> torch.device:
         raise ConfigError(f"device {text!r} does not exist: this machine has {count} CUDA device(s) "
                           f"(cuda:0..cuda:{count - 1})")
     return torch.device("cuda", idx)
+
+
+GROUP_SEP = "+"   # joins the devices of one producer's group: cuda:0+cuda:1
+
+
+def group_members(spec: str) -> list[str]:
+    """The device strings of a device group ``"cuda:0+cuda:1"`` (``["cuda:0", "cuda:1"]``); a single device is a
+    group of one. Pure string work (nothing is checked against the machine); raises ``ConfigError`` naming the
+    group when a member is empty (``"cuda:0+"``)."""
+    parts = [p.strip() for p in str(spec).split(GROUP_SEP)]
+    if any(not p for p in parts):
+        raise ConfigError(f"device group {str(spec)!r} has an empty member: join devices with {GROUP_SEP!r}, "
+                          f"e.g. cuda:0{GROUP_SEP}cuda:1")
+    return parts
+
+
+def resolve_device_group(spec: str | torch.device) -> list[torch.device]:
+    """Validate a producer's device group (``"cpu"``, ``"cuda:2"``, ``"cuda:0+cuda:1"``, ``"cpu+cpu"``) against
+    this machine; returns its devices in order (the first gets the embedding and the inputs, the last the final
+    norm; ``shared.models.target.layer_device_map``).
+
+    Every member goes through ``resolve_device``. Raises ``ConfigError`` naming the group for a member that is not
+    a device of this machine, a group that mixes CPU and CUDA (one dtype serves the whole target), or a CUDA
+    device named twice. ``cpu+cpu`` is allowed (a split target on one host device: tests of the placement).
+    """
+    if isinstance(spec, torch.device):
+        return [resolve_device(spec)]
+    devices = [resolve_device(p) for p in group_members(spec)]
+    kinds = {d.type for d in devices}
+    if len(kinds) > 1:
+        raise ConfigError(f"device group {spec!r} mixes CPU and CUDA devices: a target is split over devices of "
+                          f"one kind")
+    cuda = [d for d in devices if d.type == "cuda"]
+    if len(set(cuda)) != len(cuda):
+        raise ConfigError(f"device group {spec!r} names a CUDA device twice")
+    return devices
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

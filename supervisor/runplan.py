@@ -20,7 +20,7 @@ import torch
 
 from specring.shared.config import RunConfig
 from specring.shared.data.dataset import Batch, BatchPlan, TokenDataset
-from specring.shared.devices import DTYPE_NAMES, resolve_device, resolve_dtype
+from specring.shared.devices import DTYPE_NAMES, resolve_device, resolve_device_group, resolve_dtype
 from specring.shared.errors import ConfigError
 from specring.shared.models.target_config import read_target_config, text_config
 from specring.shared.transport import layout
@@ -89,6 +89,15 @@ def check_device(spec: str, flag: str) -> torch.device:
     if it is not one."""
     try:
         return resolve_device(spec)
+    except ConfigError as e:
+        raise ConfigError(f"{flag}: {e}") from None
+
+
+def check_device_group(spec: str, flag: str) -> list[torch.device]:
+    """``spec`` as a producer's device group of this machine (``shared.devices.resolve_device_group``);
+    ``ConfigError`` naming ``flag`` if it is not one."""
+    try:
+        return resolve_device_group(spec)
     except ConfigError as e:
         raise ConfigError(f"{flag}: {e}") from None
 
@@ -192,7 +201,7 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         resolve_layer_ids,
     )
 
-    producer_devices = [check_device(d, "--producers") for d in cfg.producer.devices]
+    producer_devices = [check_device_group(d, "--producers")[0] for d in cfg.producer.devices]
     for d in cfg.trainer.devices:
         check_device(d, "--consumers")
     shape = target_shape(cfg.producer.target)

@@ -13,6 +13,13 @@ no logits over the sequence). With ``stop_after_last=True`` the hook of the deep
 ``StopForward`` so the layers above it are not computed at all (the early-exit trick of baukit's
 ``Trace(stop=True)``, davidbau/baukit ``baukit/nethook.py``).
 
+A target may be split over a device group (``--producers cuda:0+cuda:1``, ``shared.devices.resolve_device_group``):
+``layer_device_map`` spreads the decoder layers evenly over the group (the embedding and everything before the
+layers on the first device, the final norm and an untied LM head on the last) and ``load_target`` hands that
+explicit map to transformers' own placement (``from_pretrained(device_map=...)``, which dispatches with
+accelerate's hooks when the map names more than one device). Captured outputs live on their layer's device;
+``LayerCapture`` selects the real tokens there and the producer gathers them on the group's first device.
+
 Errors: every start-up problem (bad layer ids, a missing or non-causal-LM checkpoint, a device that does
 not exist) raises ``shared.errors.ConfigError`` with a message that names the id, path or device.
 """
@@ -26,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from specring.shared.devices import resolve_device, resolve_dtype
+from specring.shared.devices import resolve_device, resolve_device_group, resolve_dtype
 from specring.shared.errors import ConfigError
 from specring.shared.models.target_config import read_target_config
 
@@ -150,12 +157,69 @@ def check_checkpoint(path: str | Path):
                           f"{type(e).__name__}: {e}") from None
 
 
+def meta_model(hf_config) -> nn.Module:
+    """The causal LM of ``hf_config`` built on the ``meta`` device (no memory, no weights): its module tree, for
+    ``layer_device_map``."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def layer_device_map(model: nn.Module, devices: Sequence[str | torch.device]) -> dict[str, str]:
+    """An explicit ``device_map`` (module name → device string) that splits ``model`` over ``devices``.
+
+    Decoder layer ``i`` of ``L`` goes to ``devices[i * n // L]`` (contiguous runs of about ``L / n`` layers,
+    so activations cross a device boundary ``n - 1`` times per forward); every other child of the modules on the
+    path to the layer list (embedding, rotary embedding, ...) goes to the first device, except the final norm and
+    the LM head, which go to the last (the LM head stays with the embedding when the two are tied, so the shared
+    weight is one tensor on one device). For Qwen3 over ``[d0, d1]``: ``{"model.embed_tokens": d0,
+    "model.rotary_emb": d0, "model.layers.0": d0, ..., "model.layers.7": d1, "model.norm": d1, "lm_head": d0}``
+    (tied). ``model`` may live on the ``meta`` device (``meta_model``). Same idea as accelerate's
+    ``infer_auto_device_map`` (huggingface/accelerate ``src/accelerate/utils/modeling.py``), but by layer count
+    rather than by memory, and with no dependency on accelerate.
+
+    Raises ``ConfigError`` when the decoder layers cannot be found, ``ValueError`` for an empty ``devices``.
+    """
+    if not devices:
+        raise ValueError("layer_device_map: no devices")
+    devs = [str(d) for d in devices]
+    first, last = devs[0], devs[-1]
+    layers = decoder_layers(model)
+    names = {id(mod): name for name, mod in model.named_modules()}
+    layers_name = names[id(layers)]
+    norm = final_norm(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    dmap: dict[str, str] = {}
+    owner, prefix = model, ""
+    for part in layers_name.split("."):
+        for cname, child in owner.named_children():
+            if cname == part:
+                continue
+            if child is norm or (child is head and not tied):
+                dmap[prefix + cname] = last
+            else:
+                dmap[prefix + cname] = first
+        owner, prefix = getattr(owner, part), prefix + part + "."
+    n, num = len(devs), len(layers)
+    for i in range(num):
+        dmap[f"{layers_name}.{i}"] = devs[i * n // num]
+    return dmap
+
+
 def load_target(path: str | Path, device: str | torch.device, dtype: str | torch.dtype = "auto",
                 random_weights: bool = False):
     """Load a local Hugging Face causal LM for inference; returns ``(model, hf_config)``.
 
     ``model`` is an ``AutoModelForCausalLM`` in eval mode with gradients off, on ``device`` in ``dtype``
     (``"auto"``: bfloat16 on CUDA, float32 on CPU), loaded from safetensors only, never from the network.
+
+    ``device`` may be a device group (``"cuda:0+cuda:1"``, ``"cpu+cpu"``; ``shared.devices.resolve_device_group``):
+    the model is then split over it by ``layer_device_map``, given to ``from_pretrained`` as its ``device_map``
+    (``model.hf_device_map`` records it, and every module is checked to sit where the map says). Over more than
+    one distinct device transformers dispatches the model with accelerate's hooks, which move activations from
+    one layer's device to the next.
 
     ``random_weights=True`` (benchmarks of large shapes without their weights): the model is built from
     ``config.json`` with random weights directly on ``device``, then every tensor the checkpoint does hold
@@ -168,15 +232,22 @@ def load_target(path: str | Path, device: str | torch.device, dtype: str | torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import is_accelerate_available
 
-    dev = resolve_device(device)
+    group = [resolve_device(device)] if isinstance(device, torch.device) else resolve_device_group(device)
+    dev = group[0]
     torch_dtype = resolve_dtype(dtype, dev)
     p = Path(path).expanduser()
     hf_config = check_checkpoint(p)
+    dmap = layer_device_map(meta_model(hf_config), group) if len(group) > 1 else None
     if random_weights:
-        return _random_target(p, hf_config, dev, torch_dtype), hf_config
+        model = _random_target(p, hf_config, dev, torch_dtype)
+        if dmap is not None:
+            _place(model, dmap)
+        return model, hf_config
     kwargs = dict(dtype=torch_dtype, local_files_only=True, use_safetensors=True)
-    direct = dev.type == "cuda" and is_accelerate_available()
-    if direct:
+    direct = dmap is not None or (dev.type == "cuda" and is_accelerate_available())
+    if dmap is not None:
+        kwargs["device_map"] = dmap  # transformers places each module (and dispatches when devices differ)
+    elif direct:
         kwargs["device_map"] = str(dev)  # weights go straight to the GPU (no full copy in host memory)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
@@ -187,9 +258,35 @@ def load_target(path: str | Path, device: str | torch.device, dtype: str | torch
     model.eval()
     model.requires_grad_(False)
     decoder_layers(model)  # fail now, not at the first batch, if the layers cannot be found
-    log.info("target loaded path=%s device=%s dtype=%s layers=%d hidden=%d", p, dev, torch_dtype,
-             num_decoder_layers(model), hidden_size(model))
+    log.info("target loaded path=%s device=%s dtype=%s layers=%d hidden=%d", p, "+".join(map(str, group)),
+             torch_dtype, num_decoder_layers(model), hidden_size(model))
+    if dmap is not None:
+        check_placement(model, dmap)
+        log.info("target split device_map=%s", ",".join(f"{k}:{v}" for k, v in dmap.items()))
     return model, hf_config
+
+
+def check_placement(model: nn.Module, dmap: dict[str, str]) -> None:
+    """Check that every parameter and buffer of each module named in ``dmap`` is on its device, and record the
+    map as ``model.hf_device_map`` (transformers sets it only when it dispatched over several devices). Raises
+    ``ConfigError`` naming the first module and tensor that sit elsewhere."""
+    for name, want in dmap.items():
+        mod = model.get_submodule(name)
+        for tname, t in list(mod.named_parameters()) + list(mod.named_buffers()):
+            if t.device != torch.device(want):
+                raise ConfigError(f"target placement: {name}.{tname} is on {t.device}, its device map says {want}")
+    model.hf_device_map = dict(dmap)
+
+
+def _place(model: nn.Module, dmap: dict[str, str]) -> None:
+    """Move the modules of a built model to the devices of ``dmap`` (random weights): accelerate's
+    ``dispatch_model`` when they differ (it also hooks the modules to move their inputs), else a plain move."""
+    if len(set(dmap.values())) > 1:
+        from accelerate import dispatch_model
+        dispatch_model(model, device_map=dmap)
+    else:
+        model.to(next(iter(dmap.values())))
+    check_placement(model, dmap)
 
 
 def _random_target(path: Path, hf_config, dev: torch.device, dtype: torch.dtype):
@@ -284,7 +381,8 @@ class LayerCapture:
                 pass
             parts = cap.outputs()          # one tensor per id, in the order of layer_ids
 
-    Each captured output is ``[B, S, H]`` (``token_index`` is None) or ``[T, H]`` gathered from the flat
+    Each captured output is on the device of its layer (a split target has several) and is ``[B, S, H]``
+    (``token_index`` is None) or ``[T, H]`` gathered from the flat
     ``[B*S, H]`` view with ``token_index`` inside the hook, so later layers cannot change it and the full
     ``[B, S, H]`` tensor is not kept alive. Id ``L - 1`` captures the final norm's output (see the module
     docstring). Hooks are removed on exit, even when the forward raised.
@@ -301,6 +399,7 @@ class LayerCapture:
             raise ValueError("LayerCapture: final_output needs the whole forward (stop_after_last=False)")
         self.stop_after_last = stop_after_last
         self.token_index: torch.Tensor | None = None
+        self._index_on: dict[torch.device, torch.Tensor] = {}  # token_index on other devices (split target)
         self._out: dict[int, torch.Tensor] = {}
         self._handles: list = []
         last = len(self.layers) - 1
@@ -323,7 +422,12 @@ class LayerCapture:
         def hook(_module, _inputs, output):
             h = output[0] if isinstance(output, (tuple, list)) else output
             if self.token_index is not None:
-                h = h.reshape(-1, h.shape[-1]).index_select(0, self.token_index)
+                idx = self.token_index
+                if idx.device != h.device:  # a layer on another device of a split target
+                    idx = self._index_on.get(h.device)
+                    if idx is None:
+                        idx = self._index_on[h.device] = self.token_index.to(h.device)
+                h = h.reshape(-1, h.shape[-1]).index_select(0, idx)
             self._out[layer_id] = h
             if stop:
                 raise StopForward(layer_id)
@@ -359,8 +463,9 @@ class LayerCapture:
         return self._out[FINAL]
 
     def clear(self) -> None:
-        """Drop references to the captured tensors."""
+        """Drop references to the captured tensors (and the copies of ``token_index`` on other devices)."""
         self._out.clear()
+        self._index_on.clear()
 
 
 FINAL = -1  # LayerCapture's key for the final norm's output
@@ -377,8 +482,11 @@ def greedy_next_tokens(normed: torch.Tensor, lm_head: nn.Module, topk: int = 0,
     and, with ``topk > 0``, the ``K`` most likely tokens with their log-probabilities (log-softmax over the
     whole vocabulary, in float32). The logits are computed about ``max_logit_elems`` at a time (a 152k
     vocabulary would otherwise need gigabytes for a large batch). Models that post-process logits (soft
-    capping) keep the argmax; their top-K log-probabilities are those of the raw head.
+    capping) keep the argmax; their top-K log-probabilities are those of the raw head. On a split target the
+    logits are computed on the head's device and the results returned on ``normed``'s.
     """
+    out_device = normed.device
+    normed = normed.to(lm_head.weight.device)  # a split target: the final norm and the head may differ
     t = normed.shape[0]
     vocab = int(lm_head.weight.shape[0])
     step = max(1, max_logit_elems // max(1, vocab))
@@ -393,4 +501,6 @@ def greedy_next_tokens(normed: torch.Tensor, lm_head: nn.Module, topk: int = 0,
             v, k = lp.topk(topk, dim=-1)
             tk_ids[i:i + step] = k.to(torch.int32)
             tk_lp[i:i + step] = v
+    if out_device != normed.device:
+        ids, tk_ids, tk_lp = (None if x is None else x.to(out_device) for x in (ids, tk_ids, tk_lp))
     return ids, tk_ids, tk_lp
