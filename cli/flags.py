@@ -38,6 +38,7 @@ GROUPS = {  # --help groups, in order: title -> description
     "data": "the tokenized data and the batch plan",
     "rings": "one shared-memory ring per producer; each slot holds the hidden states of one batch",
     "health monitor": "heartbeats, hang detection and producer restarts (durations in seconds)",
+    "nodes": "several nodes: each runs this command with its own --node-rank; node 0 owns the batch ledger",
     "run directory": "where the run keeps its records, and continuing it",
 }
 
@@ -251,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "--ALIAS VALUE ...]")
     ap.add_argument("--config", default=None, metavar="FILE",
                     help="TOML or YAML file with the sections of the configuration ([data], [ring], [producer], "
-                         "[trainer], [monitor]) and the run's own keys; flags override it")
+                         "[trainer], [monitor], [nodes]) and the run's own keys; flags override it")
     ap.add_argument("--plan", action="store_true", help="print the resolved topology, sizes and which values came "
                                                         "from CPU defaults; start nothing")
     specs = list(field_specs().values())

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -432,6 +433,72 @@ class MonitorConfig:
                  f"must be >= hang_timeout_s ({self.hang_timeout_s}), got {self.batch_timeout_s}")
 
 
+def node_env() -> dict[str, Any]:
+    """The node contract of the environment, as torchrun and SLURM launchers set it: ``NNODES``, ``NODE_RANK``,
+    ``MASTER_ADDR``, ``MASTER_PORT`` (the shorthand ``launch.py train --nnodes ...`` uses the same names), or
+    torchrun's own (one process per node, ``--nproc-per-node 1``: ``GROUP_WORLD_SIZE``/``WORLD_SIZE`` nodes,
+    ``GROUP_RANK``/``RANK`` this node). Empty when neither ``NNODES`` nor torchrun's ``TORCHELASTIC_RUN_ID`` is
+    set (``MASTER_ADDR`` alone is no multi-node run: specring sets it for its own consumers)."""
+    env = os.environ
+    out: dict[str, Any] = {}
+    if "NNODES" in env:
+        out["nnodes"] = env["NNODES"]
+        out["node_rank"] = env.get("NODE_RANK", "0")
+    elif "TORCHELASTIC_RUN_ID" in env:
+        out["nnodes"] = env.get("GROUP_WORLD_SIZE") or env.get("WORLD_SIZE", "1")
+        out["node_rank"] = env.get("GROUP_RANK") or env.get("RANK", "0")
+    else:
+        return out
+    if "MASTER_ADDR" in env:
+        out["master_addr"] = env["MASTER_ADDR"]
+    if "MASTER_PORT" in env:
+        out["master_port"] = env["MASTER_PORT"]
+    try:
+        for k in ("nnodes", "node_rank", "master_port"):
+            if k in out:
+                out[k] = int(out[k])
+    except ValueError:
+        raise ConfigError(f"environment: {k} {out[k]!r} is not a whole number (NNODES, NODE_RANK, MASTER_PORT or "
+                          f"torchrun's GROUP_WORLD_SIZE/GROUP_RANK)", key=f"nodes.{k}") from None
+    return out
+
+
+@dataclass(kw_only=True)
+class NodesConfig:
+    """Several nodes (``docs/DESIGN.md``, "Several nodes"): each runs ``launch.py train`` with the same flags and
+    its own ``node_rank``; they meet at ``master_addr:master_port`` (torch.distributed's TCPStore, hosted by node
+    0's supervisor, or torchrun's agent store) and node 0 owns the batch ledger. Defaults come from the
+    environment (``NNODES``/``NODE_RANK``/``MASTER_ADDR``/``MASTER_PORT``, or torchrun's)."""
+    GROUP: ClassVar[str] = "nodes"
+    nnodes: int = num(1, ge=1, le=4096, aliases=("--nnodes",), machine_default=lambda: node_env().get("nnodes", 1),
+                      default_text="1, or the environment's NNODES (torchrun: its node count)",
+                      help="nodes of the run; every node runs its own producers and consumers, and the consumers "
+                           "of all nodes form one data-parallel group")
+    node_rank: int = num(0, ge=0, le=4095, aliases=("--node-rank",),
+                         machine_default=lambda: node_env().get("node_rank", 0),
+                         default_text="0, or the environment's NODE_RANK (torchrun: GROUP_RANK)",
+                         help="this node's rank; node 0 owns the batch ledger, the checkpoints and summary.json")
+    master_addr: str = setting("127.0.0.1", aliases=("--master-addr",), resume=True, metavar="HOST",
+                               machine_default=lambda: node_env().get("master_addr", "127.0.0.1"),
+                               default_text="127.0.0.1, or the environment's MASTER_ADDR",
+                               help="host of node 0, where the nodes meet (its rendezvous store and control "
+                                    "socket)")
+    master_port: int = num(29500, ge=1, le=65535, aliases=("--master-port",), resume=True,
+                           machine_default=lambda: node_env().get("master_port", 29500),
+                           default_text="29500, or the environment's MASTER_PORT",
+                           help="port of the rendezvous store on node 0 (torch.distributed TCPStore)")
+    rendezvous_timeout_s: float = num(300.0, gt=0, le=MAX_SECONDS, resume=True,
+                                      help="how long a node waits for the others at the start")
+    node_timeout_s: float = num(30.0, gt=0, le=MAX_SECONDS, resume=True,
+                                help="a node (or node 0, seen from the others) silent this long is dead: the run "
+                                     "stops with its last checkpoint (--resume continues)")
+
+    def __post_init__(self):
+        check_fields(self)
+        _require(self.node_rank < self.nnodes, "node_rank",
+                 f"must be below nnodes ({self.nnodes}), got {self.node_rank}")
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     """Everything a run needs; child processes receive it as ``to_dict()``.
@@ -457,6 +524,7 @@ class RunConfig:
     producer: ProducerConfig = field(default_factory=ProducerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    nodes: NodesConfig = field(default_factory=NodesConfig)
 
     def __post_init__(self):
         if self.run_id:

@@ -17,6 +17,11 @@ What it guarantees:
   become FREE only when the supervisor reports it dead, which it does only after it has reaped the process.
 * **Back-pressure.** A producer is leased a batch only with a FREE slot of its own ring; a consumer is
   delivered a slot only while it holds fewer than ``max_unreleased`` unreleased slots.
+* **Locality (several nodes).** With ``producer_nodes``/``consumer_nodes`` (the node of each producer and
+  consumer, global indices), hidden states never leave their node: a batch is leased only to a producer of the
+  node whose consumer will take it (delivery k goes to consumer k mod M, so the consumer of every batch in the
+  delivery queue is known), and a READY batch whose consumer changed node meanwhile (a batch ahead of it turned
+  out bad) is dropped from its slot and leased again on the right node (``relocated`` counts them).
 
 What it does not do: it does not time anything (the monitor does) and does not persist itself (the
 trained batch ids are saved with the trainer's checkpoint and passed back in on resume).
@@ -60,11 +65,14 @@ class Coordinator:
 
     ``order`` is the run's batch list in training order (the plan's ``shared.data.dataset.Batch`` items, as
     they are: their ``sample_ids`` and ``pad_to`` go into the leases). ``trained`` holds batch ids already trained
-    (resume). Raises ``ValueError`` for duplicate batch ids in ``order``.
+    (resume). ``producer_nodes``/``consumer_nodes``: the node of each producer/consumer (several nodes; see
+    Locality above), None on one node. Raises ``ValueError`` for duplicate batch ids in ``order`` or node lists
+    of the wrong length.
     """
 
     def __init__(self, order: Sequence[Batch], num_producers: int, num_slots: int, num_consumers: int,
-                 trained: set[int] | None = None, max_unreleased: int = 2):
+                 trained: set[int] | None = None, max_unreleased: int = 2,
+                 producer_nodes: Sequence[int] | None = None, consumer_nodes: Sequence[int] | None = None):
         ids = [b.batch_id for b in order]
         if len(set(ids)) != len(ids):
             dup = [k for k, v in Counter(ids).items() if v > 1][:5]
@@ -96,6 +104,13 @@ class Coordinator:
         self.delivered_ids: set[int] = set()                 # every batch handed to a consumer
         self.consumer_live = [False] * num_consumers         # a Hello arrived: its socket is connected
         self.ready_msgs: dict[tuple[int, int], m.SlotReady] = {}   # (producer, slot) → its SlotReady
+        self.producer_nodes = list(producer_nodes) if producer_nodes is not None else [0] * num_producers
+        self.consumer_nodes = list(consumer_nodes) if consumer_nodes is not None else [0] * num_consumers
+        if len(self.producer_nodes) != num_producers or len(self.consumer_nodes) != num_consumers:
+            raise ValueError(f"producer_nodes/consumer_nodes must name the node of each of the {num_producers} "
+                             f"producers and {num_consumers} consumers")
+        self.multi_node = len(set(self.producer_nodes) | set(self.consumer_nodes)) > 1
+        self.relocated = 0                                   # READY batches leased again on another node
 
     # ------------------------------------------------------------------ queries
     @property
@@ -301,6 +316,9 @@ class Coordinator:
                 break
             redelivery = b in self.redeliver_to
             c = self.redeliver_to[b] if redelivery else self.delivered % self.num_consumers
+            if self.multi_node and self.producer_nodes[p] != self.consumer_nodes[c]:
+                self._relocate(b, p, i, c)
+                break
             if not self.consumer_live[c] or self.unreleased[c] >= self.max_unreleased:
                 break
             self.to_deliver.popleft()
@@ -312,17 +330,27 @@ class Coordinator:
             s.state, s.consumer = READING, c
             self.delivered_ids.add(b)
             out.append(("consumer", c, self.ready_msgs.pop((p, i))))
-        # leases, lowest plan position first, to the live producer with most free slots
-        while self._lease_heap:
+        if self.multi_node:
+            self._make_room_for_head()
+        # leases, lowest plan position first, to the live producer with most free slots (of the batch's node)
+        passed: list[tuple[int, int]] = []   # batches whose node has no free slot now (several nodes)
+        while self._lease_heap and len(passed) <= self._max_passed():
             free = [(sum(s.state == FREE for s in ps.slots), -p) for p, ps in enumerate(self.producers) if ps.live]
             free = [f for f in free if f[0] > 0]
             if not free:
                 break
-            _, neg_p = max(free)
-            p = -neg_p
-            _, b = heapq.heappop(self._lease_heap)
+            item = heapq.heappop(self._lease_heap)
+            b = item[1]
             if b in self.bad or b in self.trained or b in self.where:
                 continue
+            if self.multi_node:
+                node = self.consumer_nodes[self._consumer_of(b)]
+                free = [f for f in free if self.producer_nodes[-f[1]] == node]
+                if not free:
+                    passed.append(item)
+                    continue
+            _, neg_p = max(free)
+            p = -neg_p
             ps = self.producers[p]
             i = next(k for k, s in enumerate(ps.slots) if s.state == FREE)
             ps.slots[i] = Slot(state=WRITING, batch_id=b, generation=ps.generation)
@@ -330,4 +358,56 @@ class Coordinator:
             info = self.batches[b]
             out.append(("producer", p, m.Lease(batch_id=b, slot=i, generation=ps.generation, epoch=info.epoch,
                                                sample_ids=list(info.sample_ids), pad_to=info.pad_to)))
+        for item in passed:
+            heapq.heappush(self._lease_heap, item)
         return out
+
+    # ------------------------------------------------------------------ several nodes
+    def _max_passed(self) -> int:
+        """How many batches of saturated nodes one pump looks past for a batch of a node with room: a window of
+        a few rounds of every consumer, so a pump stays short whatever the length of the queue."""
+        slots = sum(len(ps.slots) for ps in self.producers)
+        return 4 * (self.num_consumers + slots) if self.multi_node else 0
+
+    def _consumer_of(self, b: int) -> int:
+        """The consumer that batch ``b`` (in the delivery queue) will be delivered to, as things stand."""
+        if b in self.redeliver_to:
+            return self.redeliver_to[b]
+        ahead = 0
+        for x in self.to_deliver:  # deliveries are strictly in order; leases are near the head of the queue
+            if x == b:
+                break
+            if x not in self.redeliver_to:
+                ahead += 1
+        return (self.delivered + ahead) % self.num_consumers
+
+    def _make_room_for_head(self) -> None:
+        """The batch at the head of the delivery queue waits for a slot on its consumer's node while that node's
+        slots all hold later batches (they were leased there before a relocation changed the plan of nodes):
+        drop the latest READY one of them so the head can be produced. Without this the run would wait forever."""
+        while self.to_deliver and self.to_deliver[0] in self.bad:
+            self.to_deliver.popleft()
+        if not self.to_deliver or self.to_deliver[0] in self.where:
+            return
+        head = self.to_deliver[0]
+        node = self.consumer_nodes[self._consumer_of(head)]
+        mine = [(p, ps) for p, ps in enumerate(self.producers) if self.producer_nodes[p] == node and ps.live]
+        if not mine or any(s.state == FREE for _, ps in mine for s in ps.slots):
+            return
+        ready = [(self.position[s.batch_id], p, i) for p, ps in mine for i, s in enumerate(ps.slots)
+                 if s.state == READY]
+        if ready:
+            _, p, i = max(ready)
+            b = self.producers[p].slots[i].batch_id
+            log.info("evict batch=%d producer=%d for head batch=%d of node %d", b, p, head, node)
+            self._relocate(b, p, i, -1)
+
+    def _relocate(self, b: int, p: int, i: int, c: int) -> None:
+        """Batch ``b`` is READY in slot ``i`` of producer ``p``, on another node than its consumer ``c`` (a batch
+        ahead of it was marked bad since it was leased): free the slot and lease it again, on ``c``'s node."""
+        self.producers[p].slots[i] = Slot()
+        self.where.pop(b, None)
+        self.ready_msgs.pop((p, i), None)
+        heapq.heappush(self._lease_heap, (self.position[b], b))
+        self.relocated += 1
+        log.info("relocate batch=%d producer=%d node=%d consumer=%d", b, p, self.producer_nodes[p], c)

@@ -74,6 +74,9 @@ class RunPlan:
             f"producers: {n}  devices {cfg.producer.devices}  dtype {self.dtype_per_producer}",
             f"consumers: {len(cfg.trainer.devices)}  devices {cfg.trainer.devices}  "
             f"(block size {cfg.trainer.block_size}, anchors {cfg.trainer.num_anchors}, grad_accum {cfg.trainer.grad_accum})",
+            *([f"nodes: {cfg.nodes.nnodes} (this is node {cfg.nodes.node_rank}; they meet at "
+               f"{cfg.nodes.master_addr}:{cfg.nodes.master_port}); every node runs the producers and consumers above"]
+              if cfg.nodes.nnodes > 1 else []),
             f"batches: {len(self.order)} planned ({self.batches_per_epoch} per epoch), optimizer steps: {self.total_steps}",
             f"rings: {n} x {cfg.ring.num_slots} slots x {self.slot_bytes / 2**20:.2f} MiB = "
             f"{n * self.ring_bytes / 2**20:.1f} MiB of /dev/shm ({shm_free_bytes() / 2**20:.0f} MiB free)",
@@ -235,7 +238,8 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
                      bucket_edges=dc.bucket_edges, num_buckets=dc.num_buckets, seed=dc.seed,
                      fingerprint=ds.fingerprint)
     per_epoch = plan.num_batches()
-    world, accum = len(cfg.trainer.devices), cfg.trainer.grad_accum
+    # every node runs len(trainer.devices) consumers (checked at the rendezvous): all are one data-parallel group
+    world, accum = len(cfg.trainer.devices) * cfg.nodes.nnodes, cfg.trainer.grad_accum
     per_step = world * accum
     need = cfg.trainer.epochs * per_epoch if cfg.trainer.epochs else cfg.trainer.max_steps * per_step
     if need > MAX_PLANNED_BATCHES:

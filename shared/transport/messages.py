@@ -172,13 +172,33 @@ class Reply:
     data: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class NodeMsg:
+    """Between node supervisors of a multi-node run, over their authenticated TCP link (``supervisor.nodes``).
+
+    ``event``: ``"hello"`` (node ``node`` has joined; ``body`` empty), ``"child"`` (``body`` is an encoded child
+    message, indices global: up, from ``role`` ``index`` of node ``node``; down, to it), ``"producer_died"``
+    (global producer ``index`` has exited and been reaped), ``"send_failed"`` (``body`` could not be handed to
+    ``role`` ``index``: roll it back), ``"stop"`` (``reason``: the run stops), ``"heartbeat"``, ``"bye"`` (the node
+    has stopped its children).
+    """
+    KIND: ClassVar[str] = "node"
+    node: int
+    event: str
+    role: str = ""
+    index: int = -1
+    reason: str = ""
+    body: bytes = b""
+
+
 MESSAGE_TYPES: dict[str, type] = {
     cls.KIND: cls
     for cls in (Hello, Lease, SlotReady, SlotReleased, BadBatch, Trained, Checkpointed, Heartbeat,
-                Shutdown, Error, Command, Reply)
+                Shutdown, Error, Command, Reply, NodeMsg)
 }
 
-_PY_TYPES = {int: (int,), float: (float, int), str: (str,), bool: (bool,), list: (list,), dict: (dict,)}
+_PY_TYPES = {int: (int,), float: (float, int), str: (str,), bool: (bool,), list: (list,), dict: (dict,),
+             bytes: (bytes,)}
 
 
 def _field_types(cls) -> dict[str, tuple]:

@@ -210,3 +210,56 @@ def test_failed_lease_send_is_rolled_back():
     co.unlease(leases[1], 0)
     assert co.occupancy(0)["FREE"] == 1
     assert [msg.batch_id for _, _, msg in co.pump()] == [1]
+
+
+def _drive(co: Coordinator, bad: set[int], rng: random.Random, steps: int = 20000) -> list[tuple[int, int, int]]:
+    """Run a coordinator to the end with producers that answer in random order; returns every delivery as
+    (batch, producer, consumer). Producers mark the batches of ``bad`` bad (the first time they see them)."""
+    pending: list[tuple[int, m.Lease]] = []
+    reading: list[tuple[int, m.SlotReady]] = []
+    deliveries = []
+    for _ in range(steps):
+        for role, idx, msg in co.pump():
+            if role == "producer":
+                pending.append((idx, msg))
+            else:
+                deliveries.append((msg.batch_id, msg.producer, idx))
+                reading.append((idx, msg))
+        if co.done:
+            break
+        if pending and rng.random() < 0.6:
+            p, lease = pending.pop(rng.randrange(len(pending)))
+            if lease.batch_id in bad:
+                bad.discard(lease.batch_id)
+                co.on_bad_batch(m.BadBatch(producer=p, generation=lease.generation, slot=lease.slot,
+                                           batch_id=lease.batch_id, reason="test"), from_consumer=False)
+            else:
+                co.on_slot_ready(ready(lease, p))
+        elif reading:
+            c, msg = reading.pop(0)
+            co.on_slot_released(m.SlotReleased(producer=msg.producer, generation=msg.generation, slot=msg.slot,
+                                               batch_id=msg.batch_id))
+            co.on_trained(m.Trained(consumer=c, step=1, batch_ids=[msg.batch_id], loss=1.0, num_tokens=8))
+    return deliveries
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_several_nodes_keep_hidden_states_on_their_node_exactly_once(seed):
+    # producers 0, 1 on node 0, producer 2 on node 1; consumers 0, 1 on node 0 and 2, 3 on node 1
+    pn, cn = [0, 0, 1], [0, 0, 1, 1]
+    co = Coordinator(order(40), num_producers=3, num_slots=2, num_consumers=4, producer_nodes=pn, consumer_nodes=cn)
+    for c in range(4):
+        co.on_hello("consumer", c, 1)
+    for p in range(3):
+        co.on_hello("producer", p, 1)
+    bad = {3, 17, 18} if seed % 2 else set()  # bad batches shift the consumers of every batch after them
+    deliveries = _drive(co, set(bad), random.Random(seed))
+    assert co.done and co.duplicates == 0 and co.lost() == [] and set(co.bad) == bad
+    assert sorted(b for b, _, _ in deliveries) == sorted(set(range(40)) - bad)
+    assert all(pn[p] == cn[c] for _, p, c in deliveries), "hidden states crossed a node"
+    assert [c for _, _, c in deliveries] == [k % 4 for k in range(len(deliveries))], "round robin kept"
+
+
+def test_node_lists_must_match_the_counts():
+    with pytest.raises(ValueError, match="node of each"):
+        Coordinator(order(4), num_producers=2, num_slots=2, num_consumers=1, producer_nodes=[0])
