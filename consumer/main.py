@@ -79,17 +79,33 @@ class SlotReader:
         return out
 
 
+STORE_ENV, PREFIX_ENV, CHECKPOINTS_ENV = "SPECRING_DIST_STORE", "SPECRING_DIST_PREFIX", "SPECRING_CHECKPOINTS_DIR"
+
+
 def _init_distributed(ctx: ChildContext, device: torch.device):
-    world = len(ctx.config.trainer.devices)
+    """Join the consumers' data-parallel group: ``(rank, world_size, group)``.
+
+    One node: rank ``ctx.index`` of ``len(trainer.devices)``, env:// rendezvous at the supervisor's
+    ``MASTER_ADDR``/``MASTER_PORT``. Several nodes: ``RANK``/``WORLD_SIZE`` are global (the supervisor sets them)
+    and the group meets in the nodes' rendezvous store (``SPECRING_DIST_STORE`` host:port, under this run's
+    ``SPECRING_DIST_PREFIX``; see ``supervisor.nodes``)."""
+    rank = int(os.environ.get("RANK", ctx.index))
+    world = int(os.environ.get("WORLD_SIZE", len(ctx.config.trainer.devices)))
     if world == 1:
         return 0, 1, None
     import torch.distributed as dist
     backend = "nccl" if device.type == "cuda" else "gloo"
     # a rank waits in a collective while another trains a slow batch: that is allowed batch_timeout_s
-    dist.init_process_group(backend=backend, rank=ctx.index, world_size=world,
-                            timeout=timedelta(seconds=max(60.0, ctx.config.monitor.batch_timeout_s)))
-    log.info("distributed backend=%s rank=%d world_size=%d", backend, ctx.index, world)
-    return ctx.index, world, dist.group.WORLD
+    timeout = timedelta(seconds=max(60.0, ctx.config.monitor.batch_timeout_s))
+    store = None
+    if os.environ.get(STORE_ENV):
+        host, _, port = os.environ[STORE_ENV].rpartition(":")
+        store = dist.PrefixStore(os.environ.get(PREFIX_ENV, ""),
+                                 dist.TCPStore(host, int(port), is_master=False, timeout=timeout))
+    dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout, store=store)
+    log.info("distributed backend=%s rank=%d world_size=%d store=%s", backend, rank, world,
+             os.environ.get(STORE_ENV, "env://"))
+    return rank, world, dist.group.WORLD
 
 
 def body(ctx: ChildContext) -> None:
@@ -112,8 +128,8 @@ def body(ctx: ChildContext) -> None:
         trainer = Trainer(cfg.trainer, dcfg, cfg.producer.target, device, ctx.run_dir, rank=rank,
                           world_size=world, process_group=group,
                           **({} if device.type == "cuda" else {"max_mask_elems": 2 ** 20}))
-        if cfg.resume:
-            path = latest_checkpoint(os.path.join(ctx.run_dir, "checkpoints"))
+        if cfg.resume:  # another node than 0 reads node 0's checkpoints (a shared filesystem)
+            path = latest_checkpoint(os.environ.get(CHECKPOINTS_ENV) or os.path.join(ctx.run_dir, "checkpoints"))
             if path is not None:
                 trainer.load_checkpoint(path)
                 log.info("resume checkpoint=%s step=%d", path, trainer.step_count)
@@ -130,17 +146,17 @@ def body(ctx: ChildContext) -> None:
         if compile_s:
             log.info("warm_up attention=%s compiled=%s seconds=%.1f", trainer.attention, trainer.compiled, compile_s)
         ctx.ready()
-        _loop(ctx, trainer, SlotReader(rings, device), rank, evaluator)
+        _loop(ctx, trainer, SlotReader(rings, device), rank, evaluator, world)
     finally:
         for r in rings:
             r.close()
-        if len(cfg.trainer.devices) > 1:
+        if int(os.environ.get("WORLD_SIZE", len(cfg.trainer.devices))) > 1:
             import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
 
 
-def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=None) -> None:
+def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=None, world: int = 1) -> None:
     from specring.consumer.trainer import check_batch
 
     cfg = ctx.config
@@ -191,7 +207,7 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
             continue
         if isinstance(msg, m.Shutdown):
             log.info("shutdown reason=%s", msg.reason)
-            if trainer.step_count > last_ckpt_step and (msg.reason == "done" or len(cfg.trainer.devices) == 1):
+            if trainer.step_count > last_ckpt_step and (msg.reason == "done" or world == 1):
                 checkpoint(with_eval=msg.reason == "done")  # an interrupted run stops without evaluating
             return
         if not isinstance(msg, m.SlotReady):

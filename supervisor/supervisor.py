@@ -122,6 +122,15 @@ class Supervisor:
         self.gate = CommandGate()           # operator commands: rate-limited per peer, non-readers dropped
         self.log_limiter = LogLimiter(LOG_EVERY_S)
         self.refused_commands = 0
+        # several nodes (supervisor.nodes): the agreed topology, the link between node supervisors, the store
+        self.topo = None
+        self.link = None
+        self.store = None
+        self.relay = None                   # node k > 0: its RelayCoordinator (also self.coordinator)
+        self.node_seen: dict[int, float] = {}
+        self.node_bye: set[int] = set()
+        self.dead_nodes: set[int] = set()
+        self.stop_from_node0 = False
 
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> None:
@@ -147,15 +156,18 @@ class Supervisor:
             self.trained_at_start = set(trained)
             self._checkpoint_from_disk()
             log.info("resume trained_batches=%d", len(trained))
-        self.coordinator = Coordinator(self.plan.order, len(self.producers), cfg.ring.num_slots,
-                                       len(self.consumers), trained=trained)
+        self.ctx = zmq.Context()
+        if cfg.nodes.nnodes > 1:
+            self._meet_nodes(trained)
+        else:
+            self.coordinator = Coordinator(self.plan.order, len(self.producers), cfg.ring.num_slots,
+                                           len(self.consumers), trained=trained)
         n = len(self.producers)
         check_shm_space(n * segment_bytes(cfg.ring.num_slots, self.plan.slot_bytes), f"{n} rings")
         for i in range(n):
             ring = Ring.create(segment_name(self.run_id, f"p{i}"), cfg.ring.num_slots, self.plan.slot_bytes)
             os.chmod(os.path.join("/dev/shm", ring.name), 0o600)
             self.rings.append(ring)
-        self.ctx = zmq.Context()
         self.router = channel.bind_router(self.ctx, self.address)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
         Topology(run_id=self.run_id, address=self.address, rings=[r.name for r in self.rings],
@@ -169,7 +181,10 @@ class Supervisor:
     def _spawn(self, child: Child) -> None:
         module = "specring.producers.main" if child.role == "producer" else "specring.consumer.main"
         env = {RUN_ID_ENV: self.run_id}  # inherited by all it starts: the next start finds leftovers by it
-        if child.role == "consumer":
+        if child.role == "consumer" and self.topo is not None:
+            from specring.supervisor.nodes import consumer_store_env
+            env.update(consumer_store_env(self.topo, self.cfg.nodes.node_rank, child.index))
+        elif child.role == "consumer":
             env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.dist_port),
                         "WORLD_SIZE": str(len(self.consumers)), "RANK": str(child.index)})
         proc = spawn_child(module, str(self.run_dir), child.index, child.generation,
@@ -183,18 +198,30 @@ class Supervisor:
         return group[index] if isinstance(index, int) and 0 <= index < len(group) else None
 
     def _send(self, role: str, index: int, msg) -> bool:
-        """Send to a child; a lease or delivery that cannot be sent (peer not connected) is rolled back."""
+        """Send to a child; a lease or delivery that cannot be sent (peer not connected) is rolled back. On node
+        0 of several nodes a child of another node (global ``index`` past this node's) is reached through the
+        node link."""
+        if self.topo is not None and self.relay is None and self._child(role, index) is None:
+            node = self.topo.nodes_of(role)[index]
+            if node not in self.dead_nodes and self.link.send(
+                    m.NodeMsg(node=0, event="child", role=role, index=index, body=m.encode(msg)), to=node):
+                return True
+            self._rollback(role, index, msg)
+            return False
         try:
             child = self._child(role, index)
             channel.send(self.router, msg, to=peer_identity(role, index, child.generation).encode())
             return True
         except zmq.ZMQError as e:
             log.warning("send_failed to=%s-%d kind=%s error=%s", role, index, msg.KIND, e)
-            if isinstance(msg, m.SlotReady):
-                self.coordinator.undeliver(msg, index)
-            elif isinstance(msg, m.Lease):
-                self.coordinator.unlease(msg, index)
+            self._rollback(role, index, msg)
             return False
+
+    def _rollback(self, role: str, index: int, msg) -> None:
+        if isinstance(msg, m.SlotReady):
+            self.coordinator.undeliver(msg, index)
+        elif isinstance(msg, m.Lease):
+            self.coordinator.unlease(msg, index)
 
     def _handle_safely(self, peer: bytes, msg) -> None:
         """``_handle``, but a message that trips an error is logged and counted, never fatal to the loop."""
@@ -240,10 +267,12 @@ class Supervisor:
             log.warning("reject kind=%s peer=%s generation=%s current=%d reason=stale_generation",
                         msg.KIND, sender, gen, child.generation)
             return
+        if isinstance(msg, m.Hello) and (role != msg.role or child.index != msg.index):
+            log.warning("reject hello peer=%s says %s-%s", sender, msg.role, msg.index)
+            return
+        if self.relay is not None and not isinstance(msg, m.Heartbeat):
+            self.relay.up(role, child.index, msg)  # node 0 keeps the ledger; the local handling below goes on
         if isinstance(msg, m.Hello):
-            if role != msg.role or child.index != msg.index:
-                log.warning("reject hello peer=%s says %s-%s", sender, msg.role, msg.index)
-                return
             self.monitor.on_hello(child)
             co.on_hello(role, msg.index, msg.generation)
             log.info("hello %s=%d pid=%d generation=%d", role, msg.index, msg.pid, msg.generation)
@@ -259,17 +288,8 @@ class Supervisor:
             co.on_slot_released(msg)
             self.monitor.on_progress(child)
         elif isinstance(msg, m.Trained) and role == "consumer":
-            co.on_trained(msg)
+            self._on_trained(msg)
             self.monitor.on_progress(child)
-            self.trained_steps.append((int(msg.step), [int(b) for b in msg.batch_ids]))
-            if msg.consumer == 0:
-                now = time.monotonic()
-                if self.first_trained_at is None:
-                    self.first_trained_at = now  # start-up (imports, model loads) is not throughput
-                else:
-                    self.tokens_trained += msg.num_tokens * len(self.consumers)
-                self.last_trained_at = now
-                self.progress.update(msg.step, msg.loss, co)
         elif isinstance(msg, m.Checkpointed):
             self.monitor.on_progress(child)
             self.last_checkpoint = {"step": msg.step, "path": msg.path}
@@ -277,6 +297,138 @@ class Supervisor:
         else:
             self.rejected_frames += 1
             log.warning("reject kind=%s peer=%s reason=unexpected_for_role", msg.KIND, sender)
+
+    def _on_trained(self, msg: m.Trained) -> None:
+        co = self.coordinator
+        co.on_trained(msg)
+        self.trained_steps.append((int(msg.step), [int(b) for b in msg.batch_ids]))
+        if msg.consumer == 0:
+            now = time.monotonic()
+            if self.first_trained_at is None:
+                self.first_trained_at = now  # start-up (imports, model loads) is not throughput
+            else:
+                self.tokens_trained += msg.num_tokens * self._world()
+            self.last_trained_at = now
+            self.progress.update(msg.step, msg.loss, co)
+
+    def _world(self) -> int:
+        """Consumers of the run, every node's."""
+        return sum(self.topo.consumers) if self.topo is not None else len(self.consumers)
+
+    # ------------------------------------------------------------------ several nodes
+    def _meet_nodes(self, trained: set[int]) -> None:
+        """Rendezvous with the other nodes (``supervisor.nodes``); node 0 builds the one ledger over every node's
+        producers and consumers, another node a ``RelayCoordinator`` in its place."""
+        from specring.supervisor.nodes import RelayCoordinator, rendezvous
+        self.topo, self.link, self.store = rendezvous(self.cfg, self.plan, self.ctx, str(self.run_dir))
+        now = time.monotonic()
+        self.node_seen = {k: now for k in range(self.topo.nnodes)}
+        if self.cfg.nodes.node_rank == 0:
+            t = self.topo
+            self.coordinator = Coordinator(self.plan.order, sum(t.producers), self.cfg.ring.num_slots,
+                                           sum(t.consumers), trained=trained, producer_nodes=t.nodes_of("producer"),
+                                           consumer_nodes=t.nodes_of("consumer"))
+        else:
+            self.coordinator = self.relay = RelayCoordinator(self.topo, self.link)
+            self.link.send(m.NodeMsg(node=self.cfg.nodes.node_rank, event="hello"))
+
+    def _poll_nodes(self) -> None:
+        """Read the node link, send heartbeats, and stop the run when a node (or node 0) falls silent."""
+        if self.link is None:
+            return
+        from specring.supervisor.nodes import HEARTBEAT_S
+        rank = self.cfg.nodes.node_rank
+        for _ in range(MAX_FRAMES_PER_TURN):
+            nm = self.link.recv(0)
+            if nm is None:
+                break
+            self.node_seen[nm.node] = time.monotonic()
+            try:
+                if rank == 0:
+                    self._node_event(nm)
+                elif nm.event == "child":
+                    self.relay.down(nm)
+                elif nm.event == "stop" and not self.stop_reason:
+                    self.stop_reason, self.stop_from_node0 = nm.reason or "stopped_by_node_0", True
+                    log.info("stop from node 0 reason=%s", self.stop_reason)
+            except (MessageError, IndexError) as e:
+                self.rejected_frames += 1
+                log.warning("node_link reject node=%d event=%s error=%s", nm.node, nm.event, e)
+        now = time.monotonic()
+        if now - self.link.last_sent >= HEARTBEAT_S:
+            for k in self._live_nodes():
+                self.link.send(m.NodeMsg(node=rank, event="heartbeat"), to=k if rank == 0 else None)
+        timeout = self.cfg.nodes.node_timeout_s
+        for k in self._live_nodes():
+            if now - self.node_seen.get(k, now) > timeout:
+                self.dead_nodes.add(k)
+                log.error("node_died node=%d silent_s=%.1f; stopping the run (resume with --resume on every node)",
+                          k, now - self.node_seen[k])
+                if not self.stop_reason or self.stop_reason == "done":
+                    self.stop_reason = f"node_{k}_died" if rank == 0 else "node_0_lost"
+
+    def _live_nodes(self) -> list[int]:
+        """The nodes this one talks to (node 0: every other node; others: node 0) that are neither dead nor
+        gone (said bye)."""
+        if self.topo is None:
+            return []
+        peers = range(1, self.topo.nnodes) if self.cfg.nodes.node_rank == 0 else [0]
+        return [k for k in peers if k not in self.dead_nodes and k not in self.node_bye]
+
+    def _node_event(self, nm: m.NodeMsg) -> None:
+        """Node 0: one message from node ``nm.node``."""
+        co, t = self.coordinator, self.topo
+        if nm.event in ("child", "producer_died", "send_failed") and t.nodes_of(nm.role)[nm.index] != nm.node:
+            raise IndexError(f"{nm.role} {nm.index} is not on node {nm.node}")
+        if nm.event == "child":
+            msg = m.decode(nm.body)
+            self._handle_remote(nm.node, nm.role, nm.index, msg)
+        elif nm.event == "producer_died":
+            gen = co.producer_died(nm.index)
+            log.info("restart producer=%d node=%d generation=%d", nm.index, nm.node, gen)
+        elif nm.event == "send_failed":
+            self._rollback(nm.role, nm.index, m.decode(nm.body))
+        elif nm.event == "stop":
+            log.error("node_stopped node=%d reason=%s", nm.node, nm.reason)
+            if not self.stop_reason or self.stop_reason == "done":
+                self.stop_reason = f"node_{nm.node}_stopped: {nm.reason}"
+        elif nm.event == "bye":
+            self.node_bye.add(nm.node)
+        elif nm.event == "hello":
+            log.info("node_joined node=%d", nm.node)
+
+    def _handle_remote(self, node: int, role: str, index: int, msg) -> None:
+        """Node 0: a child message of another node, indices global (``supervisor.nodes.to_global``)."""
+        co, t = self.coordinator, self.topo
+        producer = getattr(msg, "producer", None)
+        if producer is not None and not (0 <= producer < sum(t.producers) and t.nodes_of("producer")[producer] == node):
+            raise IndexError(f"{msg.KIND} names producer {producer}, not one of node {node}")
+        if isinstance(msg, m.Hello) and msg.role == role and msg.index == index:
+            co.on_hello(role, index, msg.generation)
+            log.info("hello %s=%d node=%d pid=%d generation=%d", role, index, node, msg.pid, msg.generation)
+        elif isinstance(msg, m.SlotReady) and role == "producer":
+            co.on_slot_ready(msg)
+        elif isinstance(msg, m.BadBatch):
+            co.on_bad_batch(msg, from_consumer=(role == "consumer"))
+        elif isinstance(msg, m.SlotReleased) and role == "consumer":
+            co.on_slot_released(msg)
+        elif isinstance(msg, m.Trained) and role == "consumer":
+            self._on_trained(msg)
+        else:
+            self.rejected_frames += 1
+            log.warning("reject kind=%s node=%d %s=%d reason=unexpected_for_role", msg.KIND, node, role, index)
+
+    def _stop_nodes(self) -> None:
+        """Tell the other nodes that the run stops: node 0 tells every node, another node tells node 0 (unless
+        node 0 told it)."""
+        if self.link is None:
+            return
+        rank = self.cfg.nodes.node_rank
+        if rank == 0:
+            for k in self._live_nodes():
+                self.link.send(m.NodeMsg(node=0, event="stop", reason=self.stop_reason), to=k)
+        elif not self.stop_from_node0 and 0 not in self.dead_nodes:
+            self.link.send(m.NodeMsg(node=rank, event="stop", reason=self.stop_reason))
 
     # ------------------------------------------------------------------ operator commands
     def status_rows(self) -> list[dict]:
@@ -458,6 +610,7 @@ class Supervisor:
                 self._handle_safely(*got)
                 handled += 1
                 got = channel.recv_from(self.router, 0) if handled < MAX_FRAMES_PER_TURN else None
+            self._poll_nodes()
             for role, index, msg in co.pump():
                 self._send(role, index, msg)
             self._watch()
@@ -485,7 +638,9 @@ class Supervisor:
         (``HealthMonitor.stuck``), is left to ``_cleanup`` (SIGTERM, then SIGKILL). A final checkpoint and tau evaluation that keep heartbeating may take longer, up to
         ``SHUTDOWN_CAP_FACTOR * shutdown_timeout_s`` in all. A second signal stops waiting at once.
         """
-        quiet_s = self.cfg.monitor.shutdown_timeout_s
+        self._stop_nodes()
+        # a dead node leaves the consumers in a collective that cannot finish: nothing to wait for
+        quiet_s = 0.0 if self.dead_nodes else self.cfg.monitor.shutdown_timeout_s
         start = time.monotonic()
         told: dict[int, bool] = {}
         for c in self.consumers:
@@ -505,6 +660,7 @@ class Supervisor:
             got = channel.recv_from(self.router, POLL_S)
             if got is not None:
                 self._handle_safely(*got)
+            self._poll_nodes()
         for c in self.consumers:
             if c.alive():
                 log.warning("consumer=%d still running %.1fs after shutdown (quiet %.1fs); terminating", c.index,
@@ -516,6 +672,21 @@ class Supervisor:
             if c.alive():
                 c.state = "stopping"
                 self._send("producer", c.index, m.Shutdown(reason=self.stop_reason))
+        self._nodes_bye(start, quiet_s)
+
+    def _nodes_bye(self, start: float, quiet_s: float) -> None:
+        """Several nodes: another node says bye to node 0 once its consumers have stopped; node 0 waits for every
+        live node's bye (it hosts the store their consumers' process group uses), within the shutdown bound."""
+        if self.link is None:
+            return
+        if self.cfg.nodes.node_rank != 0:
+            if 0 not in self.dead_nodes:
+                self.link.send(m.NodeMsg(node=self.cfg.nodes.node_rank, event="bye"))
+            return
+        while (self._live_nodes() and self.signals < 2
+               and time.monotonic() - start < SHUTDOWN_CAP_FACTOR * max(quiet_s, self.cfg.nodes.node_timeout_s)):
+            self._poll_nodes()
+            time.sleep(POLL_S)
 
     def _cleanup(self) -> None:
         timeout = 0 if self.signals >= 2 else 5.0
@@ -534,9 +705,13 @@ class Supervisor:
         for ring in self.rings:
             ring.close()
             ring.unlink()
+        if self.link is not None:
+            self.link.close()
         if getattr(self, "router", None) is not None:
             self.router.close(linger=0)
+        if getattr(self, "ctx", None) is not None:
             self.ctx.term()
+        self.store = None
         addr = getattr(self, "address", "")
         if addr.startswith("ipc://"):
             try:
@@ -599,6 +774,14 @@ class Supervisor:
             "last_checkpoint": self.last_checkpoint,
             "tau_last": self._tau_last(),
         }
+        if self.topo is not None:
+            summary["nodes"] = {"nnodes": self.topo.nnodes, "node_rank": self.cfg.nodes.node_rank,
+                                "producers": self.topo.producers, "consumers": self.topo.consumers,
+                                "dead_nodes": sorted(self.dead_nodes),
+                                "relocated_batches": getattr(co, "relocated", 0),
+                                "rejected_node_frames": self.link.rejected if self.link else 0,
+                                "refused_node_peers": self.link.allowed.refused if self.link and self.link.allowed
+                                else 0}
         p = self.run_dir / "summary.json"
         tmp = p.with_suffix(".tmp")
         tmp.write_text(json.dumps(summary, indent=1))
