@@ -73,6 +73,11 @@ def train_main(argv: list[str]) -> int:
     finally:
         lock.close()
     s = sup.summary
+    if cfg.nodes.nnodes > 1 and cfg.nodes.node_rank != 0:  # node 0's summary.json holds the run's ledger
+        print(f"\nnode {cfg.nodes.node_rank} {s['exit_reason']}: its producers and consumers served the run whose "
+              f"ledger node 0 ({cfg.nodes.master_addr}) keeps in its summary.json; this node's: "
+              f"{Path(cfg.run_dir) / 'summary.json'}", file=sys.stderr)
+        return outcome.exit_code
     restarts = " ".join(f"producer{k}={v}" for k, v in s["restarts"].items())
     line = (f"\nrun {s['exit_reason']}: {s['trained_batches']}/{s['planned_batches']} batches trained "
             f"(duplicates {s['duplicate_batches']}, lost {s['lost_batches']}, bad {s['bad_batches']}, "
