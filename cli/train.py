@@ -67,9 +67,13 @@ def train_main(argv: list[str]) -> int:
 
     from specring.supervisor.supervisor import Supervisor
     sup = Supervisor(cfg, plan, trained=trained, updated_before=len(updated) if cfg.resume else 0)
+    from specring.supervisor.nodes import RendezvousError
     try:
         with logging_redirect_tqdm():
             outcome = sup.run()
+    except (ConfigError, RendezvousError) as e:  # several nodes: refused or not met (summary.json says so too)
+        print(f"error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
     finally:
         lock.close()
     s = sup.summary

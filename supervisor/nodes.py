@@ -79,14 +79,25 @@ class NodeTopology:
         return [n for n, c in enumerate(counts) for _ in range(c)]
 
 
-def plan_digest(cfg, plan) -> str:
-    """What every node must agree on: the batch order, the data, the captured layers, the ring sizes, the
-    consumer count and what the drafter learns. Nodes with different digests would train different runs."""
-    ids = hashlib.sha256(",".join(str(b.batch_id) for b in plan.order).encode()).hexdigest()
-    record = {"order": ids, "data": plan.data_digest, "layers": plan.target_layer_ids, "steps": plan.total_steps,
-              "slot_bytes": plan.slot_bytes, "consumers_per_node": len(cfg.trainer.devices),
-              "trainer": {k: v for k, v in dataclasses.asdict(cfg.trainer).items() if k != "devices"}}
-    return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).hexdigest()
+def plan_record(cfg, plan) -> dict[str, str]:
+    """What every node must agree on, one short digest per item: the batch order, the data, the captured
+    layers, the steps, the slot size, the consumers per node and each trainer field. Nodes that differ in any
+    would train different runs; ``plan_differences`` names the items."""
+    def digest(x) -> str:
+        return hashlib.sha256(json.dumps(x, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    record = {"batch order": digest([b.batch_id for b in plan.order]), "data": digest(plan.data_digest),
+              "target layers": digest(plan.target_layer_ids), "optimizer steps": digest(plan.total_steps),
+              "slot size": digest(plan.slot_bytes), "consumers per node": digest(len(cfg.trainer.devices))}
+    for k, v in dataclasses.asdict(cfg.trainer).items():
+        if k != "devices":
+            record[f"trainer.{k}"] = digest(v)
+    return record
+
+
+def plan_differences(a: dict, b: dict) -> list[str]:
+    """The items of two ``plan_record``s that differ."""
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
 def _store(cfg, is_master: bool):
@@ -118,8 +129,8 @@ def rendezvous(cfg, plan, ctx: zmq.Context, run_dir: str):
     rank = nc.node_rank
     store = _store(cfg, is_master=(rank == 0 and not agent))
     base = f"specring/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-    digest = plan_digest(cfg, plan)
-    mine = {"producers": len(cfg.producer.devices), "consumers": len(cfg.trainer.devices), "plan": digest}
+    record = plan_record(cfg, plan)
+    mine = {"producers": len(cfg.producer.devices), "consumers": len(cfg.trainer.devices), "plan": record}
     if rank == 0:
         link = NodeLink.server(ctx, nc.master_addr)
         info = dict(mine, endpoint=link.endpoint, server_key=link.public_key.decode(),
@@ -129,12 +140,9 @@ def rendezvous(cfg, plan, ctx: zmq.Context, run_dir: str):
         producers, consumers, errors = [mine["producers"]], [mine["consumers"]], []
         for k in range(1, nc.nnodes):
             other = json.loads(_get(store, f"{base}node{k}", f"node {k}", cfg))
-            why = ""
-            if other["plan"] != digest:
-                why = (f"node {k}'s run plan differs from node 0's (data, batch order, captured layers, slot size, "
-                       f"consumers per node or trainer flags): every node must run the same flags")
-            elif other["consumers"] != mine["consumers"]:
-                why = f"node {k} runs {other['consumers']} consumers, node 0 {mine['consumers']}: use the same --consumers"
+            diff = plan_differences(record, other["plan"])
+            why = (f"node {k}'s run differs from node 0's in {', '.join(diff)}: every node must give the same flags "
+                   f"(and data), and run the same number of consumers") if diff else ""
             store.set(f"{base}verdict{k}", why or "ok")
             if why:
                 errors.append(why)
@@ -210,7 +218,7 @@ class NodeLink:
                  allowed: _Allowed | None = None):
         self.sock, self.endpoint, self.public_key, self.node = sock, endpoint, public_key, node
         self.auth, self.allowed = auth, allowed
-        self.last_sent = 0.0
+        self.last_sent: dict[int, float] = {}   # node → when it was last sent anything (node 0's heartbeats)
         self.rejected = 0
 
     @classmethod
@@ -258,7 +266,7 @@ class NodeLink:
                 self.sock.send(m.encode(msg), flags=zmq.NOBLOCK)
             else:
                 self.sock.send_multipart([f"node-{to}".encode(), m.encode(msg)], flags=zmq.NOBLOCK)
-            self.last_sent = time.monotonic()
+            self.last_sent[0 if to is None else to] = time.monotonic()
             return True
         except zmq.ZMQError as e:
             log.warning("node_link send_failed to=%s event=%s error=%s", to if to is not None else 0, msg.event, e)

@@ -355,8 +355,8 @@ class Supervisor:
                 self.rejected_frames += 1
                 log.warning("node_link reject node=%d event=%s error=%s", nm.node, nm.event, e)
         now = time.monotonic()
-        if now - self.link.last_sent >= HEARTBEAT_S:
-            for k in self._live_nodes():
+        for k in self._live_nodes():
+            if now - self.link.last_sent.get(k, 0.0) >= HEARTBEAT_S:
                 self.link.send(m.NodeMsg(node=rank, event="heartbeat"), to=k if rank == 0 else None)
         timeout = self.cfg.nodes.node_timeout_s
         for k in self._live_nodes():

@@ -121,9 +121,9 @@ def test_rendezvous_agrees_on_the_topology_and_refuses_another_plan(ctx):
             if isinstance(r, tuple):
                 r[1].close()
     port = _free_port()
-    bad = _meet(ctx, [(_cfg(0, port), _plan([1, 2, 3])), (_cfg(1, port), _plan([1, 3, 2]))])
+    bad = _meet(ctx, [(_cfg(0, port), _plan([1, 2, 3])), (_cfg(1, port), _plan([1, 3, 2, 4]))])
     for r in bad:
         if isinstance(r, tuple):
             r[1].close()
-    assert isinstance(bad[0], ConfigError) and "node 1's run plan differs" in str(bad[0])
+    assert isinstance(bad[0], ConfigError) and "node 1's run differs from node 0's in batch order, optimizer steps" in str(bad[0])
     assert isinstance(bad[1], ConfigError) and "node 0 refused node 1" in str(bad[1])
