@@ -21,7 +21,8 @@ REQUIRED_KINDS = ("Hello", "Lease", "SlotReady", "SlotReleased", "Trained", "Hea
 
 # A value of each field type that is not the default, so a dropped field cannot go unnoticed.
 _SAMPLE = {int: -123456789012, float: 0.1 + 0.2, str: "naïve ✓ text", bool: True,
-           list: [1, -2, "three", 4.5, [6, 7], {"k": "v"}], dict: {"a": 1, "b": [2.5, "c"], "d": {"e": False}}}
+           list: [1, -2, "three", 4.5, [6, 7], {"k": "v"}], dict: {"a": 1, "b": [2.5, "c"], "d": {"e": False}},
+           bytes: b"\x00\xffraw"}
 
 
 def example(cls) -> object:
