@@ -48,7 +48,7 @@ def test_only_registered_nodes_are_heard(ctx):
     plain.connect(server.endpoint)
     try:
         assert good.send(m.NodeMsg(node=1, event="hello"))
-        got = recv_within(server, 5)
+        got = recv_within(server, 15)
         assert got == m.NodeMsg(node=1, event="hello")
         rogue.send(m.NodeMsg(node=1, event="stop", reason="forged"))
         plain.send(m.encode(m.NodeMsg(node=1, event="stop", reason="forged")), flags=zmq.NOBLOCK)
@@ -56,7 +56,7 @@ def test_only_registered_nodes_are_heard(ctx):
         assert server.allowed.refused >= 1
         # the server answers the registered node only
         assert server.send(m.NodeMsg(node=0, event="heartbeat"), to=1)
-        assert recv_within(good, 5) == m.NodeMsg(node=0, event="heartbeat")
+        assert recv_within(good, 15) == m.NodeMsg(node=0, event="heartbeat")
         # a registered node cannot speak for another one
         other_pub, other_sec = zmq.curve_keypair()
         server.allow(other_pub, 2)
@@ -115,7 +115,7 @@ def test_rendezvous_agrees_on_the_topology_and_refuses_another_plan(ctx):
         (t0, l0, _), (t1, l1, _) = [r for r in ok if isinstance(r, tuple)]
         assert t0.producers == t1.producers == [1, 1] and t1.offset("consumer") == 1 and t0.dp_prefix == t1.dp_prefix
         assert l1.send(m.NodeMsg(node=1, event="hello"))
-        assert recv_within(l0, 5) == m.NodeMsg(node=1, event="hello")
+        assert recv_within(l0, 15) == m.NodeMsg(node=1, event="hello")
     finally:
         for r in ok:
             if isinstance(r, tuple):
