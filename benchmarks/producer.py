@@ -42,7 +42,7 @@ import torch  # noqa: E402
 
 from specring.producers.producer import Producer  # noqa: E402
 from specring.shared.config import DEFAULT_TARGET  # noqa: E402
-from specring.shared.devices import resolve_device, resolve_dtype  # noqa: E402
+from specring.shared.devices import resolve_device_group, resolve_dtype  # noqa: E402
 from specring.shared.models.target import base_model, default_target_layer_ids  # noqa: E402
 from specring.shared.transport import messages, ring  # noqa: E402
 
@@ -81,8 +81,10 @@ def make_batches(n: int, batch_size: int, seq_len: int, vocab: int, seed: int = 
 
 
 def sync(device: torch.device) -> None:
+    """Wait for every CUDA device (a split target runs on several)."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        for i in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(i)
 
 
 def run_bare(prod: Producer, batches: list[dict]) -> None:
@@ -126,7 +128,8 @@ def timed(fn, prod: Producer, batches: list[dict], device: torch.device) -> floa
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N, or a device group the target is split "
+                                                    "over, e.g. cuda:0+cuda:1 (compare with cuda:0 alone)")
     ap.add_argument("--shape", choices=["tiny", "qwen3-8b"], default="tiny")
     ap.add_argument("--batches", type=int, default=8, help="timed batches per method and round")
     ap.add_argument("--seq-len", type=int, default=256, help="longest sequence; lengths in [seq_len/2, seq_len]")
@@ -137,12 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds; the median is reported")
     args = ap.parse_args(argv)
 
-    device = resolve_device(args.device)
+    group = resolve_device_group(args.device)
+    device = group[0]
     dtype = resolve_dtype(args.dtype, device)
     if device.type == "cpu":
         torch.set_flush_denormal(True)  # random weights give denormals, 3x slower on x86 CPUs otherwise
     t0 = time.perf_counter()
     model, cfg = build_model(args.shape, device, dtype)
+    if len(group) > 1:  # split over the group as a producer does (shared.models.target.layer_device_map)
+        from specring.shared.models.target import layer_device_map, place_target
+        place_target(model, layer_device_map(model, group))
     sync(device)
     build_s = time.perf_counter() - t0
     layer_ids = default_target_layer_ids(cfg.num_hidden_layers, args.layers)
@@ -157,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     r = ring.Ring.create(ring.segment_name(ring.new_run_id(), "bench"), num_slots=2, slot_bytes=slot_bytes)
     try:
         pinned = r.pin()
-        print(f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) "
+        print(f"device={args.device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}) "
               f"shape={args.shape} params={n_params / 1e9:.2f}B dtype={str(dtype).replace('torch.', '')} "
               f"layers={cfg.num_hidden_layers} captured={layer_ids} build_s={build_s:.1f}")
         print(f"batches={args.batches} batch_size={args.batch_size} seq_len={args.seq_len} "

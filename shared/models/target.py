@@ -241,7 +241,7 @@ def load_target(path: str | Path, device: str | torch.device, dtype: str | torch
     if random_weights:
         model = _random_target(p, hf_config, dev, torch_dtype)
         if dmap is not None:
-            _place(model, dmap)
+            place_target(model, dmap)
         return model, hf_config
     kwargs = dict(dtype=torch_dtype, local_files_only=True, use_safetensors=True)
     direct = dmap is not None or (dev.type == "cuda" and is_accelerate_available())
@@ -278,9 +278,11 @@ def check_placement(model: nn.Module, dmap: dict[str, str]) -> None:
     model.hf_device_map = dict(dmap)
 
 
-def _place(model: nn.Module, dmap: dict[str, str]) -> None:
-    """Move the modules of a built model to the devices of ``dmap`` (random weights): accelerate's
-    ``dispatch_model`` when they differ (it also hooks the modules to move their inputs), else a plain move."""
+def place_target(model: nn.Module, dmap: dict[str, str]) -> None:
+    """Move the modules of a model built in memory (random weights, benchmarks) to the devices of ``dmap``
+    (``layer_device_map``): accelerate's ``dispatch_model`` when they differ (it also hooks the modules to move
+    their inputs, as transformers does for ``from_pretrained(device_map=...)``), else a plain move; then
+    ``check_placement``. Raises ``ConfigError`` naming a module that did not land where the map says."""
     if len(set(dmap.values())) > 1:
         from accelerate import dispatch_model
         dispatch_model(model, device_map=dmap)
