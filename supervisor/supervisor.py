@@ -364,7 +364,7 @@ class Supervisor:
                 self.dead_nodes.add(k)
                 log.error("node_died node=%d silent_s=%.1f; stopping the run (resume with --resume on every node)",
                           k, now - self.node_seen[k])
-                if not self.stop_reason or self.stop_reason == "done":
+                if not self.stop_reason:  # a node lost after the run is done leaves it done
                     self.stop_reason = f"node_{k}_died" if rank == 0 else "node_0_lost"
 
     def _live_nodes(self) -> list[int]:
@@ -378,7 +378,9 @@ class Supervisor:
     def _node_event(self, nm: m.NodeMsg) -> None:
         """Node 0: one message from node ``nm.node``."""
         co, t = self.coordinator, self.topo
-        if nm.event in ("child", "producer_died", "send_failed") and t.nodes_of(nm.role)[nm.index] != nm.node:
+        if nm.event in ("child", "producer_died", "send_failed") and (
+                nm.role not in ("producer", "consumer") or not 0 <= nm.index < len(t.nodes_of(nm.role))
+                or t.nodes_of(nm.role)[nm.index] != nm.node):
             raise IndexError(f"{nm.role} {nm.index} is not on node {nm.node}")
         if nm.event == "child":
             msg = m.decode(nm.body)
@@ -390,7 +392,7 @@ class Supervisor:
             self._rollback(nm.role, nm.index, m.decode(nm.body))
         elif nm.event == "stop":
             log.error("node_stopped node=%d reason=%s", nm.node, nm.reason)
-            if not self.stop_reason or self.stop_reason == "done":
+            if not self.stop_reason:
                 self.stop_reason = f"node_{nm.node}_stopped: {nm.reason}"
         elif nm.event == "bye":
             self.node_bye.add(nm.node)
