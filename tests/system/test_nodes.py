@@ -8,6 +8,7 @@ is SIGKILLed mid-run stops the run with a checkpoint from which ``--resume`` on 
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.launcher import kill_tree, start_launcher
+from benchmarks.launcher import child_pid, kill_tree, start_launcher
 from tests.system.launcher_util import metrics_batch_ids, segments_of, small_flags, summary, wait_for
 
 pytestmark = pytest.mark.timeout(240)
@@ -54,20 +55,29 @@ def assert_exactly_once(run_dir: Path, planned: int) -> dict:
     return s
 
 
-def test_two_nodes_train_every_batch_once(dataset, tmp_path):
+def test_two_nodes_train_every_batch_once_and_heal_a_producer_of_node_1(dataset, tmp_path):
     port = free_port()
     a, b = tmp_path / "node0", tmp_path / "node1"
-    procs = [start_launcher(node_flags(dataset, a, 6, 0, port, checkpoint_every=6), log_path=tmp_path / "n0.log"),
-             start_launcher(node_flags(dataset, b, 6, 1, port, checkpoint_every=6), log_path=tmp_path / "n1.log")]
+    procs = [start_launcher(node_flags(dataset, a, 10, 0, port, checkpoint_every=10), log_path=tmp_path / "n0.log"),
+             start_launcher(node_flags(dataset, b, 10, 1, port, checkpoint_every=10), log_path=tmp_path / "n1.log")]
+    try:  # node 1's producer is killed once training has started; node 1 restarts it, node 0 fences it
+        wait_for(lambda: (a / "metrics.jsonl").is_file() and (a / "metrics.jsonl").read_text().count("\n") >= 2,
+                 150, "two steps")
+        os.kill(wait_for(lambda: child_pid(b, "producer", 0), 30, "node 1's producer"), signal.SIGKILL)
+    except BaseException:
+        for p in procs:
+            kill_tree(p)
+        raise
     codes = finish(procs, 200)
     logs = "\n".join((tmp_path / f).read_text()[-2500:] for f in ("n0.log", "n1.log"))
     assert codes == [0, 0], logs
-    s = assert_exactly_once(a, planned=12)  # 6 steps x 2 data-parallel ranks, one on each node
+    s = assert_exactly_once(a, planned=20)  # 10 steps x 2 data-parallel ranks, one on each node
     assert s["exit_reason"] == "done" and s["nodes"]["nnodes"] == 2 and s["nodes"]["consumers"] == [1, 1], s
-    assert summary(b)["exit_reason"] == "done"
-    # rank 1 (node 1) trained half of every step: its producer made those batches, on its own node
-    produced_on_1 = (b / "logs" / "producer-0.log").read_text().count("serving ring=")
-    assert produced_on_1 == 1
+    s1 = summary(b)
+    assert s1["exit_reason"] == "done" and s1["restarts"] == {"0": 1}, s1
+    assert "restart producer=1 node=1 generation=2" in (a / "logs" / "supervisor.log").read_text()
+    # rank 1 (node 1) trained half of every step from its own producer, which was started twice
+    assert (b / "logs" / "producer-0.log").read_text().count("serving ring=") == 2
     assert "rendezvous node=1 nnodes=2" in (b / "logs" / "supervisor.log").read_text()
     assert not (b / "metrics.jsonl").exists() and not (b / "checkpoints" / "latest").exists()
     assert segments_of(s["run_id"]) == [] and segments_of(summary(b)["run_id"]) == []
