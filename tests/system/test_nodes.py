@@ -29,10 +29,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def node_flags(data: Path, run_dir: Path, steps: int, rank: int, port: int, **extra) -> list[str]:
+def node_flags(data: Path, run_dir: Path, steps: int, rank: int, port: int, node_timeout_s: float = 20,
+               **extra) -> list[str]:
     flags = small_flags(data, run_dir, steps, producers="cpu", consumers="cpu", **extra)
     return flags + ["--nnodes", "2", "--node-rank", str(rank), "--master-addr", "127.0.0.1",
-                    "--master-port", str(port), "--nodes.node-timeout-s", "4"]
+                    "--master-port", str(port), "--nodes.node-timeout-s", str(node_timeout_s)]
 
 
 def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[int]:
@@ -86,8 +87,8 @@ def test_two_nodes_train_every_batch_once_and_heal_a_producer_of_node_1(dataset,
 def test_a_node_killed_mid_run_stops_the_run_and_resume_completes_it_exactly_once(dataset, tmp_path):
     port = free_port()
     a, b = tmp_path / "node0", tmp_path / "node1"
-    procs = [start_launcher(node_flags(dataset, a, 8, 0, port, checkpoint_every=2), log_path=tmp_path / "n0.log"),
-             start_launcher(node_flags(dataset, b, 8, 1, port, checkpoint_every=2), log_path=tmp_path / "n1.log")]
+    procs = [start_launcher(node_flags(dataset, a, 8, 0, port, 4, checkpoint_every=2), log_path=tmp_path / "n0.log"),
+             start_launcher(node_flags(dataset, b, 8, 1, port, 4, checkpoint_every=2), log_path=tmp_path / "n1.log")]
     try:
         wait_for(lambda: (a / "checkpoints" / "latest").is_file(), 150, "node 0's first checkpoint")
         procs[1].send_signal(signal.SIGKILL)  # node 1's supervisor; its children follow it (parent-death signal)
@@ -102,10 +103,9 @@ def test_a_node_killed_mid_run_stops_the_run_and_resume_completes_it_exactly_onc
     assert s1["remaining_batches"] > 0 and s1["last_checkpoint"].get("step", 0) >= 2, s1
     assert segments_of(s1["run_id"]) == []
     port = free_port()
-    procs = [start_launcher(["--run-dir", str(a), "--resume", "--master-port", str(port)],
-                            log_path=tmp_path / "r0.log"),
-             start_launcher(["--run-dir", str(b), "--resume", "--master-port", str(port)],
-                            log_path=tmp_path / "r1.log")]
+    again = ["--resume", "--master-port", str(port), "--nodes.node-timeout-s", "20"]  # both may change on resume
+    procs = [start_launcher(["--run-dir", str(a), *again], log_path=tmp_path / "r0.log"),
+             start_launcher(["--run-dir", str(b), *again], log_path=tmp_path / "r1.log")]
     codes = finish(procs, 150)
     logs = "\n".join((tmp_path / f).read_text()[-2500:] for f in ("r0.log", "r1.log"))
     assert codes == [0, 0], logs
