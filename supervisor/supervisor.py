@@ -17,8 +17,8 @@ started outlives the child's exit or the run: the child's process group is kille
 the supervisor, a child subreaper, kills the orphans that come back to it (``shared.procs``); after a
 SIGKILL of the supervisor, the next start or ``launch.py clean`` kills them by their ``SPECRING_RUN_ID``.
 
-No peer of the socket can stall the loop or the signal path: sends never block (a peer whose queue is full
-is dropped, a lease or delivery rolled back), operator commands are rate-limited per peer and in all
+No peer of the socket can stall the loop or the signal path: sends never block (a command peer whose queue
+is full is dropped; the coordinator records a lease or delivery only once it was queued), operator commands are rate-limited per peer and in all
 (``supervisor.peers``), at most ``MAX_FRAMES_PER_TURN`` frames are handled between two looks at the children
 and the stop flag, and lines about bad peers are rate-limited. A signal only sets the stop flag.
 """
@@ -172,10 +172,11 @@ class Supervisor:
         if child.role == "consumer":
             env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.dist_port),
                         "WORLD_SIZE": str(len(self.consumers)), "RANK": str(child.index)})
-        proc = spawn_child(module, str(self.run_dir), child.index, child.generation,
+        generation = self.coordinator.generation(child.role, child.index)
+        proc = spawn_child(module, str(self.run_dir), child.index, generation,
                            self.run_dir / "logs" / f"{child.name}.log", env=env)
         self.monitor.started(child, proc)
-        log.info("spawn %s=%d pid=%d generation=%d", child.role, child.index, proc.pid, child.generation)
+        log.info("spawn %s=%d pid=%d generation=%d", child.role, child.index, proc.pid, generation)
 
     # ------------------------------------------------------------------ messages
     def _child(self, role: str, index: int) -> Child | None:
@@ -183,17 +184,13 @@ class Supervisor:
         return group[index] if isinstance(index, int) and 0 <= index < len(group) else None
 
     def _send(self, role: str, index: int, msg) -> bool:
-        """Send to a child; a lease or delivery that cannot be sent (peer not connected) is rolled back."""
+        """Send to the current incarnation of a child without blocking; False when it could not be queued (the
+        peer is not connected, or its queue is full)."""
         try:
-            child = self._child(role, index)
-            channel.send(self.router, msg, to=peer_identity(role, index, child.generation).encode())
+            channel.send(self.router, msg, to=peer_identity(role, index, self.coordinator.generation(role, index)).encode())
             return True
         except zmq.ZMQError as e:
             log.warning("send_failed to=%s-%d kind=%s error=%s", role, index, msg.KIND, e)
-            if isinstance(msg, m.SlotReady):
-                self.coordinator.undeliver(msg, index)
-            elif isinstance(msg, m.Lease):
-                self.coordinator.unlease(msg, index)
             return False
 
     def _handle_safely(self, peer: bytes, msg) -> None:
@@ -234,11 +231,8 @@ class Supervisor:
             if role == "consumer" and msg.fatal:
                 self.consumer_error = msg.message
             return
-        gen = getattr(msg, "generation", peer_gen) if role == "producer" else peer_gen
-        if peer_gen != child.generation or gen != child.generation:
-            co.rejected["stale_generation"] += 1
-            log.warning("reject kind=%s peer=%s generation=%s current=%d reason=stale_generation",
-                        msg.KIND, sender, gen, child.generation)
+        gen = getattr(msg, "generation", peer_gen) if role == "producer" else peer_gen  # a producer's own
+        if co.fenced(role, child.index, peer_gen, msg.KIND) or (gen != peer_gen and co.fenced(role, child.index, gen, msg.KIND)):
             return
         if isinstance(msg, m.Hello):
             if role != msg.role or child.index != msg.index:
@@ -283,7 +277,8 @@ class Supervisor:
         rows = []
         now = time.monotonic()
         for c in self.producers + self.consumers:
-            row = {"role": c.role, "index": c.index, "pid": c.pid, "generation": c.generation,
+            row = {"role": c.role, "index": c.index, "pid": c.pid,
+                   "generation": self.coordinator.generation(c.role, c.index) if self.coordinator else 1,
                    "state": c.state, "heartbeat_age_s": round(now - c.last_heartbeat, 1) if c.hello else None,
                    "tokens_per_s": c.stats.get("tokens_per_s"), "gpu_mem_bytes": c.stats.get("gpu_mem_bytes"),
                    "restarts": c.restarts, "work": c.stats.get("work"), "work_s": c.stats.get("work_s")}
@@ -304,8 +299,9 @@ class Supervisor:
             if child.alive():
                 child.graceful_restart = True
                 self._send("producer", cmd.index, m.Shutdown(reason="restart requested"))
-                log.info("restart_requested producer=%d generation=%d", cmd.index, child.generation)
-                reply = m.Reply(ok=True, text=f"producer {cmd.index} (generation {child.generation}) is restarting")
+                gen = self.coordinator.generation("producer", cmd.index)
+                log.info("restart_requested producer=%d generation=%d", cmd.index, gen)
+                reply = m.Reply(ok=True, text=f"producer {cmd.index} (generation {gen}) is restarting")
             else:
                 reply = m.Reply(ok=False, text=f"producer {cmd.index} is not running (state {child.state})")
         elif cmd.action == "stop":
@@ -353,8 +349,8 @@ class Supervisor:
                 self._exited(child)
                 code = child.proc.returncode
                 graceful = child.graceful_restart
-                old_gen = child.generation
-                child.generation = co.producer_died(child.index)
+                old_gen = co.generation("producer", child.index)
+                new_gen = co.producer_died(child.index)
                 if self.stop_reason:
                     child.state = "exited"
                     continue
@@ -366,14 +362,14 @@ class Supervisor:
                               self.cfg.monitor.restart_window_s)
                     continue
                 log.info("restart producer=%d exitcode=%s generation=%d old_generation=%d backoff_s=%.2f graceful=%s",
-                         child.index, code, child.generation, old_gen, delay, graceful)
+                         child.index, code, new_gen, old_gen, delay, graceful)
             elif child.state == "backoff" and now >= child.restart_at and not self.stop_reason:
                 self._spawn(child)
             else:
                 why = self.monitor.hung(child)
                 if why:
                     log.warning("hang producer=%d pid=%d generation=%d reason=%s action=kill", child.index,
-                                child.pid, child.generation, why)
+                                child.pid, co.generation("producer", child.index), why)
                     kill_group(child.proc, signal.SIGKILL)
                     child.proc.wait()  # reaped before its slots are reused (next pass sees the exit)
         for child in self.consumers:
@@ -458,8 +454,7 @@ class Supervisor:
                 self._handle_safely(*got)
                 handled += 1
                 got = channel.recv_from(self.router, 0) if handled < MAX_FRAMES_PER_TURN else None
-            for role, index, msg in co.pump():
-                self._send(role, index, msg)
+            co.pump(self._send)  # only what could be queued is recorded: nothing to roll back
             self._watch()
             if co.done:
                 self.stop_reason = "done"
