@@ -46,9 +46,9 @@ Train a DFlash drafter from a target's hidden states: producers (each runs the t
 hidden states) and consumers (drafter trainers) run as separate processes joined by shared-memory rings.
 
 Every configuration field is a flag --SECTION.FIELD-NAME (sections: data, ring, producer, trainer,
-monitor; --run-dir, --resume, --tcp and --run-id have none); the common ones also have a short alias
-(--lr, --producers, --slot-mb, ...). --config FILE sets the same fields from TOML or YAML ([trainer] lr =
-3e-4); flags override the file. When every producer and consumer is on CPU, the fields that show an
+monitor; --run-dir, --resume, --report-to, --tcp and --run-id have none); the common ones also have a
+short alias (--lr, --producers, --slot-mb, ...). --config FILE sets the same fields from TOML or YAML
+([trainer] lr = 3e-4; the recipes in configs/); flags override the file. When every producer and consumer is on CPU, the fields that show an
 "on CPU" default use it unless set. Lists are comma lists (1,9,17); "none" clears a field that allows it;
 a yes/no field takes --FLAG or --no-FLAG."""
 
@@ -403,12 +403,19 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def _same(spec: FieldSpec, new: Any, old: Any) -> bool:
-    """Whether a value given on ``--resume`` is the saved one: equal; the same path resolved; or, for a
-    field filled when the run starts, its default (which stands for what it was filled with)."""
+    """Whether a value given on ``--resume`` is the saved one: equal; the same path resolved (a hub id: the
+    directory it resolves to); or, for a field filled when the run starts, its default (which stands for what
+    it was filled with)."""
     if new == old or (spec.meta.get("filled_at_start") and new == spec.default):
         return True
     if spec.meta.get("path") and isinstance(new, str) and isinstance(old, str) and new and old:
-        return Path(new).resolve() == Path(old).resolve()
+        if spec.meta.get("hub") and not Path(new).expanduser().is_dir():  # a hub id: the run saved its directory
+            from specring.shared.hub import resolve_model_dir
+            try:
+                new = str(resolve_model_dir(new))
+            except ConfigError:
+                return False
+        return Path(new).expanduser().resolve() == Path(old).expanduser().resolve()
     return False
 
 
