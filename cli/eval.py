@@ -48,8 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="launch.py eval", description=(
         "Acceptance length tau by real greedy block-verify speculative decoding with the target, next to "
         "the baselines (untrained drafter, prompt lookup) and checked lossless against greedy decoding."))
-    p.add_argument("--target", help="target checkpoint directory (default: the run's target, else "
-                                    "assets/tiny-code-lm)")
+    p.add_argument("--target", metavar="DIR|ORG/NAME",
+                   help="target checkpoint: a directory or a hub id (Qwen/Qwen3-8B) resolved from the local Hugging "
+                        "Face cache (default: the run's target, else assets/tiny-code-lm)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run the modelling and tokenizer code the target ships (default: off)")
     p.add_argument("--drafter", default="none", help="checkpoint step directory or run directory (its latest "
                                                      "checkpoint); 'none' = baselines only")
     p.add_argument("--data", nargs="+", help="held-out Arrow file(s) from `launch.py prepare` "
@@ -92,10 +95,13 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"{flag}: must be >= 1, got {v}")
     use_drafter = not args.baselines_only and str(args.drafter).lower() not in ("none", "")
     step_dir = ckpt.resolve_checkpoint(args.drafter) if use_drafter else None
-    target_dir = Path(args.target or (step_dir and target_of_checkpoint(step_dir)) or DEFAULT_TARGET)
+    from specring.shared.hub import resolve_model_dir
+    target_dir = resolve_model_dir(args.target or (step_dir and target_of_checkpoint(step_dir)) or DEFAULT_TARGET,
+                                   "--target")
+    trust = bool(getattr(args, "trust_remote_code", False))
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
         "cpu" if args.device == "auto" else args.device)
-    target, hf_config = load_target(target_dir, device, args.dtype)
+    target, hf_config = load_target(target_dir, device, args.dtype, trust_remote_code=trust)
     dtype = next(target.parameters()).dtype
     if step_dir is not None:
         drafter = ckpt.load_drafter(step_dir, device=device, dtype=dtype)
@@ -103,7 +109,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         dcfg = drafter.config
     else:
         drafter = None
-        dcfg = DFlashConfig.from_target(target_dir, None, block_size=args.block_size or 16)
+        dcfg = DFlashConfig.from_target(target_dir, None, block_size=args.block_size or 16, trust_remote_code=trust)
     bsz = int(args.block_size or dcfg.block_size)
     if bsz < 2:
         raise ConfigError(f"--block-size: must be >= 2, got {bsz}")

@@ -56,6 +56,7 @@ from specring.shared.data.encode import (
 )
 from specring.shared.data.writer import _tokenizer_meta, report, write_dataset
 from specring.shared.errors import ConfigError
+from specring.shared.hub import resolve_model_dir
 from specring.shared.paths import DEFAULT_TARGET
 
 
@@ -144,11 +145,14 @@ def plan_summary(path: Path) -> str:
 
 
 def prepare_files(inputs: list[str], output: Path, *, tokenizer: Path, max_length: int, overlong: str,
-                  strict: bool, workers: int, progress: bool = True, chat_template: str | None = None) -> dict:
-    """Tokenize the rows of ``inputs`` (paths, directories or globs) into ``output``; returns the sidecar."""
+                  strict: bool, workers: int, progress: bool = True, chat_template: str | None = None,
+                  trust_remote_code: bool = False) -> dict:
+    """Tokenize the rows of ``inputs`` (paths, directories or globs) into ``output``; returns the sidecar.
+    ``trust_remote_code``: the tokenizer's own code may run (``--trust-remote-code``)."""
     files = expand_inputs(inputs)
-    tok = load_tokenizer(tokenizer)
-    cfg = EncoderConfig(str(tokenizer), max_length, overlong, vocab_size_of(tokenizer, tok), chat_template)
+    tok = load_tokenizer(tokenizer, trust_remote_code)
+    cfg = EncoderConfig(str(tokenizer), max_length, overlong, vocab_size_of(tokenizer, tok), chat_template,
+                        trust_remote_code)
     runner = Runner(cfg, workers)
     try:
         return write_dataset(runner, _tasks(files), output, inputs=[str(p) for p in files],
@@ -165,7 +169,11 @@ def build_parser() -> argparse.ArgumentParser:
         "bad rows; --demo builds the embedded default corpus (train + held-out)."))
     p.add_argument("inputs", nargs="*", help="JSONL/Parquet files, directories or globs")
     p.add_argument("--input", action="append", default=[], help="another input (repeatable)")
-    p.add_argument("--tokenizer", default=str(DEFAULT_TARGET), help="local Hugging Face tokenizer directory")
+    p.add_argument("--tokenizer", default=str(DEFAULT_TARGET), metavar="DIR|ORG/NAME",
+                   help="the target's tokenizer: a directory or a hub id (Qwen/Qwen3-8B), resolved from the local "
+                        "Hugging Face cache (default: assets/tiny-code-lm)")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run the tokenizer code the directory ships (default: off)")
     p.add_argument("--output", help="Arrow file to write (its sidecar gets the suffix .json)")
     p.add_argument("--max-length", type=finite_number(int), default=None,
                    help=f"tokens per sample (default 2048; {DEMO_MAX_LENGTH} for --demo)")
@@ -191,8 +199,9 @@ def main(argv: list[str]) -> int:
         except ConfigError as e:
             raise ConfigError(f"--{e.key.replace('_', '-')}: {e.detail}", key=e.key, detail=e.detail) from None
         t0 = time.perf_counter()
+        tokenizer = resolve_model_dir(args.tokenizer, "--tokenizer")
         if args.demo:
-            train, heldout = build_demo(Path(args.demo_dir or paths.demo_dir()), tokenizer=Path(args.tokenizer),
+            train, heldout = build_demo(Path(args.demo_dir or paths.demo_dir()), tokenizer=tokenizer,
                                         max_length=args.max_length or DEMO_MAX_LENGTH, workers=args.workers or 1,
                                         progress=not args.no_progress)
             print(plan_summary(train))
@@ -205,10 +214,11 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--output is required (the Arrow file to write)")
         template = Path(args.chat_template).read_text() if args.chat_template else None
         output = Path(args.output)
-        side = prepare_files(inputs, output, tokenizer=Path(args.tokenizer), max_length=args.max_length or 2048,
+        side = prepare_files(inputs, output, tokenizer=tokenizer, max_length=args.max_length or 2048,
                              overlong=args.overlong, strict=args.strict,
                              workers=args.workers or min(8, os.cpu_count() or 1),
-                             progress=not args.no_progress, chat_template=template)
+                             progress=not args.no_progress, chat_template=template,
+                             trust_remote_code=args.trust_remote_code)
         print(report(side, output))
         print(plan_summary(output))
         return 0

@@ -135,6 +135,10 @@ def check_checkpoint(path: str | Path, trust_remote_code: bool = False):
     raw = read_target_config(path, flag=f"target {str(path)!r}")
     model_type = raw.get("model_type")
     remote = trust_remote_code and "AutoModelForCausalLM" in (raw.get("auto_map") or {})
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote \
+            and "AutoModelForCausalLM" in (raw.get("auto_map") or {}):
+        raise ConfigError(f"target {str(path)!r}: model_type {model_type!r} is defined by the checkpoint's own code "
+                          f"(auto_map); pass --trust-remote-code to let transformers run it")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote:
         raise ConfigError(f"target {str(path)!r} is not a causal language model: model_type {model_type!r} "
                           f"has no AutoModelForCausalLM class")
