@@ -49,10 +49,23 @@ def parse_report_to(text: str | list[str] | None) -> list[str]:
 
 
 def check_backends(names: list[str]) -> None:
-    """Raise ``ConfigError`` naming ``--report-to`` and the install command for each backend not importable."""
-    missing = [n for n in names if importlib.util.find_spec(MODULES[n]) is None]
-    if missing:
-        raise ConfigError("--report-to: " + "; ".join(f"{n} is not installed ({INSTALL[n]})" for n in missing))
+    """Import each backend of ``names`` now, before any process starts; raise ``ConfigError`` naming
+    ``--report-to`` and the install command for each one that is not installed (``ImportError``) or fails to
+    import (any other error, named)."""
+    problems = []
+    for n in names:
+        try:
+            if importlib.util.find_spec(MODULES[n]) is None:
+                raise ModuleNotFoundError(MODULES[n])
+            importlib.import_module(MODULES[n])
+            if n == "tensorboard":
+                importlib.import_module("torch.utils.tensorboard")  # what _TensorBoard writes with
+        except ImportError:
+            problems.append(f"{n} is not installed ({INSTALL[n]})")
+        except Exception as e:  # noqa: BLE001 - a broken installation: name it
+            problems.append(f"{n} fails to import ({type(e).__name__}: {str(e)[:200]}; reinstall: {INSTALL[n]})")
+    if problems:
+        raise ConfigError("--report-to: " + "; ".join(problems))
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
