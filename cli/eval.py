@@ -44,34 +44,50 @@ def target_of_checkpoint(step_dir: str | Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------- command line
+EXAMPLES = """\
+examples:
+  launch.py eval --drafter runs/latest                  the run's latest checkpoint on the demo held-out split
+  launch.py eval --drafter exported/ --target Qwen/Qwen3-8B --data data/heldout.arrow --num-prompts 64
+  launch.py eval --baselines-only --target /models/Qwen3-8B --data data/heldout.arrow"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py eval", description=(
+    """The parser of ``launch.py eval``, its options grouped by concern, each with its default."""
+    from specring.cli.flags import CommandHelpFormatter
+
+    p = argparse.ArgumentParser(prog="launch.py eval", formatter_class=CommandHelpFormatter, epilog=EXAMPLES,
+                                description=(
         "Acceptance length tau by real greedy block-verify speculative decoding with the target, next to "
         "the baselines (untrained drafter, prompt lookup) and checked lossless against greedy decoding."))
-    p.add_argument("--target", metavar="DIR|ORG/NAME",
+    m = p.add_argument_group("target and drafter")
+    m.add_argument("--drafter", default="none", help="checkpoint step directory, run directory (its latest "
+                                                     "checkpoint) or export; none: baselines only")
+    m.add_argument("--target", metavar="DIR|ORG/NAME",
                    help="target checkpoint: a directory or a hub id (Qwen/Qwen3-8B) resolved from the local Hugging "
                         "Face cache (default: the run's target, else assets/tiny-code-lm)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let transformers run the modelling and tokenizer code the target ships (default: off)")
-    p.add_argument("--drafter", default="none", help="checkpoint step directory or run directory (its latest "
-                                                     "checkpoint); 'none' = baselines only")
-    p.add_argument("--data", nargs="+", help="held-out Arrow file(s) from `launch.py prepare` "
+    m.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run the modelling and tokenizer code the target ships")
+    m.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda or cuda:N")
+    m.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32")
+    d = p.add_argument_group("prompts")
+    d.add_argument("--data", nargs="+", help="held-out Arrow file(s) from `launch.py prepare` "
                                              "(default: data/demo/heldout.arrow, built when missing)")
-    p.add_argument("--num-prompts", type=int, default=24, help="prompts per dataset (default 24)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt = first N tokens of a sample (default 256)")
-    p.add_argument("--block-size", type=int, help="verify block size B (default: the drafter's, else 16)")
-    p.add_argument("--baselines-only", action="store_true", help="evaluate only the baselines")
-    p.add_argument("--no-baselines", action="store_true", help="skip the untrained-drafter and prompt-lookup rows")
-    p.add_argument("--baselines", default="untrained,prompt-lookup",
-                   help="comma list of baseline rows: untrained, prompt-lookup (default both)")
-    p.add_argument("--no-lossless-check", action="store_true", help="skip the greedy reference decode")
-    p.add_argument("--ngram-max", type=int, default=3, help="longest n-gram of the prompt-lookup baseline")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS token")
-    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed of the untrained drafter")
-    p.add_argument("--output-json", help="write every figure to this JSON file")
+    d.add_argument("--num-prompts", type=int, default=24, help="prompts per dataset")
+    d.add_argument("--prompt-len", type=int, default=256, help="prompt = first N tokens of a sample")
+    g = p.add_argument_group("decoding")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
+    g.add_argument("--block-size", type=int, help="verify block size B (default: the drafter's, else 16)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS token")
+    g.add_argument("--no-lossless-check", action="store_true", help="skip the greedy reference decode")
+    b = p.add_argument_group("baselines")
+    b.add_argument("--baselines-only", action="store_true", help="evaluate only the baselines")
+    b.add_argument("--no-baselines", action="store_true", help="skip the untrained-drafter and prompt-lookup rows")
+    b.add_argument("--baselines", default="untrained,prompt-lookup",
+                   help="comma list of baseline rows: untrained, prompt-lookup")
+    b.add_argument("--ngram-max", type=int, default=3, help="longest n-gram of the prompt-lookup baseline")
+    b.add_argument("--seed", type=int, default=0, help="initialisation seed of the untrained drafter")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-json", help="write every figure to this JSON file")
     return p
 
 

@@ -346,19 +346,31 @@ def load_exported(export_dir: str | Path, target_dir: str | Path, device: str | 
     return model.to(device).eval()
 
 
+EXAMPLES = """\
+examples:
+  launch.py export --drafter runs/latest --output exported/
+  launch.py export --drafter runs/q8/checkpoints/step-002000 --target Qwen/Qwen3-8B --output q8-dflash/ --overwrite"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py export", description=(
+    """The parser of ``launch.py export``, its options grouped by concern, each with its default."""
+    from specring.cli.flags import CommandHelpFormatter
+
+    p = argparse.ArgumentParser(prog="launch.py export", formatter_class=CommandHelpFormatter, epilog=EXAMPLES,
+                                description=(
         "Write a drafter checkpoint as a DFlashDraftModel directory (config.json + model.safetensors) that "
         "the SGLang and vLLM DFlash loaders accept."))
-    p.add_argument("--drafter", required=True, help="checkpoint step directory or run directory (latest checkpoint)")
-    p.add_argument("--output", required=True, help="directory to write")
-    p.add_argument("--target", metavar="DIR|ORG/NAME",
+    c = p.add_argument_group("checkpoint and target")
+    c.add_argument("--drafter", required=True, help="checkpoint step directory or run directory (latest checkpoint)")
+    c.add_argument("--target", metavar="DIR|ORG/NAME",
                    help="target checkpoint: a directory or a hub id (Qwen/Qwen3-8B) resolved from the local Hugging "
                         "Face cache (default: the run's target, else assets/tiny-code-lm)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let transformers run the tokenizer code the target ships (default: off)")
-    p.add_argument("--dtype", default="auto", help="auto (the target's), bfloat16, float16 or float32 (default: auto)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
+    c.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run the tokenizer code the target ships")
+    o = p.add_argument_group("output")
+    o.add_argument("--output", required=True, help="directory to write")
+    o.add_argument("--dtype", default="auto", help="auto (the target's), bfloat16, float16 or float32")
+    o.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
     return p
 
 

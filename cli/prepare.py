@@ -162,31 +162,48 @@ def prepare_files(inputs: list[str], output: Path, *, tokenizer: Path, max_lengt
         runner.close()
 
 
+EXAMPLES = """\
+examples:
+  launch.py prepare data/chat.jsonl --tokenizer Qwen/Qwen3-8B --output data/train.arrow --max-length 4096
+  launch.py prepare 'data/shards/*.parquet' --tokenizer /models/Qwen3-8B --output data/train.arrow --strict
+  launch.py prepare --demo                                the embedded default corpus (train + held-out)"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py prepare", description=(
+    """The parser of ``launch.py prepare``, its options grouped by concern, each with its default."""
+    from specring.cli.flags import CommandHelpFormatter
+
+    p = argparse.ArgumentParser(prog="launch.py prepare", formatter_class=CommandHelpFormatter, epilog=EXAMPLES,
+                                description=(
         "Tokenize JSONL/Parquet rows (text, chat messages/conversations, or input_ids with an optional loss_mask) "
         "into one Arrow IPC file, the data `launch.py train` reads, with a JSON sidecar of its statistics and "
         "bad rows; --demo builds the embedded default corpus (train + held-out)."))
-    p.add_argument("inputs", nargs="*", help="JSONL/Parquet files, directories or globs")
-    p.add_argument("--input", action="append", default=[], help="another input (repeatable)")
-    p.add_argument("--tokenizer", default=str(DEFAULT_TARGET), metavar="DIR|ORG/NAME",
-                   help="the target's tokenizer: a directory or a hub id (Qwen/Qwen3-8B), resolved from the local "
-                        "Hugging Face cache (default: assets/tiny-code-lm)")
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help="let transformers run the tokenizer code the directory ships (default: off)")
-    p.add_argument("--output", help="Arrow file to write (its sidecar gets the suffix .json)")
-    p.add_argument("--max-length", type=finite_number(int), default=None,
-                   help=f"tokens per sample (default 2048; {DEMO_MAX_LENGTH} for --demo)")
-    p.add_argument("--overlong", choices=("truncate", "drop"), default="truncate",
-                   help="what to do with samples longer than --max-length")
-    p.add_argument("--strict", action="store_true", help="stop with an error at the first bad row")
-    p.add_argument("--workers", type=finite_number(int), default=None,
-                   help="tokenizer processes, 1 = in this process (default: min(8, CPUs); 1 for --demo, whose "
-                        "whole-file batches the Rust tokenizer already spreads over threads)")
-    p.add_argument("--chat-template", help="a Jinja chat template file to use instead of the tokenizer's")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--demo", action="store_true", help="build the stdlib demo corpus (train + held-out)")
-    p.add_argument("--demo-dir", default=None, help="where --demo writes (default: ./data/demo)")
+    io = p.add_argument_group("input and output")
+    io.add_argument("inputs", nargs="*", help="JSONL/Parquet files, directories or globs")
+    io.add_argument("--input", action="append", default=[], help="another input (repeatable)")
+    io.add_argument("--output", help="Arrow file to write, its sidecar beside it with the suffix .json (required "
+                                     "unless --demo)")
+    tk = p.add_argument_group("tokenizer")
+    tk.add_argument("--tokenizer", default=str(DEFAULT_TARGET), metavar="DIR|ORG/NAME",
+                    help="the target's tokenizer: a directory or a hub id (Qwen/Qwen3-8B), resolved from the local "
+                         "Hugging Face cache (default: assets/tiny-code-lm)")
+    tk.add_argument("--trust-remote-code", action="store_true",
+                    help="let transformers run the tokenizer code the directory ships")
+    tk.add_argument("--chat-template", help="a Jinja chat template file to use instead of the tokenizer's")
+    sm = p.add_argument_group("samples")
+    sm.add_argument("--max-length", type=finite_number(int), default=None,
+                    help=f"tokens per sample (default 2048; {DEMO_MAX_LENGTH} for --demo)")
+    sm.add_argument("--overlong", choices=("truncate", "drop"), default="truncate",
+                    help="what to do with samples longer than --max-length")
+    sm.add_argument("--strict", action="store_true", help="stop with an error at the first bad row")
+    rn = p.add_argument_group("running")
+    rn.add_argument("--workers", type=finite_number(int), default=None,
+                    help="tokenizer processes, 1 = in this process (default: min(8, CPUs); 1 for --demo, whose "
+                         "whole-file batches the Rust tokenizer already spreads over threads)")
+    rn.add_argument("--no-progress", action="store_true", help="no progress bar")
+    dm = p.add_argument_group("demo corpus")
+    dm.add_argument("--demo", action="store_true", help="build the stdlib demo corpus (train + held-out)")
+    dm.add_argument("--demo-dir", default=None, help="where --demo writes (default: ./data/demo)")
     return p
 
 

@@ -457,7 +457,7 @@ class RunConfig:
     resume: bool = setting(False, help="continue the run in --run-dir from its latest checkpoint, with its saved "
                                        "configuration; only flags whose help says 'may change on --resume' may "
                                        "differ from the saved run")
-    report_to: list[str] = setting([], aliases=("--report-to",), resume=True, metavar="BACKEND,...",
+    report_to: list[str] = setting([], resume=True, metavar="BACKEND,...",
                                    default_text="none",
                                    help="experiment trackers that receive the run's figures (loss, per-slot "
                                         "accuracy, tau, tokens/s, ring occupancy, producer restarts), a comma "
