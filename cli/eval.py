@@ -44,7 +44,7 @@ def target_of_checkpoint(step_dir: str | Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------- command line
-EXAMPLES = """\
+HELP_EXAMPLES = """\
 examples:
   launch.py eval --drafter runs/latest                  the run's latest checkpoint on the demo held-out split
   launch.py eval --drafter exported/ --target Qwen/Qwen3-8B --data data/heldout.arrow --num-prompts 64
@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of ``launch.py eval``, its options grouped by concern, each with its default."""
     from specring.cli.flags import CommandHelpFormatter
 
-    p = argparse.ArgumentParser(prog="launch.py eval", formatter_class=CommandHelpFormatter, epilog=EXAMPLES,
+    p = argparse.ArgumentParser(prog="launch.py eval", formatter_class=CommandHelpFormatter, epilog=HELP_EXAMPLES,
                                 description=(
         "Acceptance length tau by real greedy block-verify speculative decoding with the target, next to "
         "the baselines (untrained drafter, prompt lookup) and checked lossless against greedy decoding."))

@@ -346,7 +346,7 @@ def load_exported(export_dir: str | Path, target_dir: str | Path, device: str | 
     return model.to(device).eval()
 
 
-EXAMPLES = """\
+HELP_EXAMPLES = """\
 examples:
   launch.py export --drafter runs/latest --output exported/
   launch.py export --drafter runs/q8/checkpoints/step-002000 --target Qwen/Qwen3-8B --output q8-dflash/ --overwrite"""
@@ -356,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of ``launch.py export``, its options grouped by concern, each with its default."""
     from specring.cli.flags import CommandHelpFormatter
 
-    p = argparse.ArgumentParser(prog="launch.py export", formatter_class=CommandHelpFormatter, epilog=EXAMPLES,
+    p = argparse.ArgumentParser(prog="launch.py export", formatter_class=CommandHelpFormatter, epilog=HELP_EXAMPLES,
                                 description=(
         "Write a drafter checkpoint as a DFlashDraftModel directory (config.json + model.safetensors) that "
         "the SGLang and vLLM DFlash loaders accept."))

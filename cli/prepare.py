@@ -162,7 +162,7 @@ def prepare_files(inputs: list[str], output: Path, *, tokenizer: Path, max_lengt
         runner.close()
 
 
-EXAMPLES = """\
+HELP_EXAMPLES = """\
 examples:
   launch.py prepare data/chat.jsonl --tokenizer Qwen/Qwen3-8B --output data/train.arrow --max-length 4096
   launch.py prepare 'data/shards/*.parquet' --tokenizer /models/Qwen3-8B --output data/train.arrow --strict
@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The parser of ``launch.py prepare``, its options grouped by concern, each with its default."""
     from specring.cli.flags import CommandHelpFormatter
 
-    p = argparse.ArgumentParser(prog="launch.py prepare", formatter_class=CommandHelpFormatter, epilog=EXAMPLES,
+    p = argparse.ArgumentParser(prog="launch.py prepare", formatter_class=CommandHelpFormatter, epilog=HELP_EXAMPLES,
                                 description=(
         "Tokenize JSONL/Parquet rows (text, chat messages/conversations, or input_ids with an optional loss_mask) "
         "into one Arrow IPC file, the data `launch.py train` reads, with a JSON sidecar of its statistics and "

@@ -1,12 +1,13 @@
 """The supervisor process: owns the rings, the coordinator socket and every child; runs the event loop.
 
-``Supervisor(config).run()`` builds the batch order, creates one ring per producer, binds the ROUTER
-socket, starts producers and consumers, and loops: receive control messages and hand them to the
-``Coordinator``, send what it pumps out, watch children with the ``HealthMonitor`` (reap the dead, kill the
-hung, restart producers with a new generation), answer ``launch.py status``/``restart``, and keep a live
-progress line and the experiment trackers of ``--report-to`` (``supervisor.reporting``) up to date. At the end (all batches trained, a signal, or a consumer's death) consumers are asked to
-stop (they write a checkpoint), producers are stopped, and everything the run created in ``/dev/shm`` and
-the socket file are removed; ``summary.json`` records the outcome.
+``Supervisor(config).run()`` builds the batch order, creates one ring per producer, binds the ROUTER socket,
+starts producers and consumers, and loops: receive control messages and hand them to the ``Coordinator``, send
+what it pumps out, watch children with the ``HealthMonitor`` (reap the dead, kill the hung, restart producers
+with a new generation), answer ``launch.py status``/``restart``, and keep a live progress line and the
+experiment trackers of ``--report-to`` (``supervisor.reporting``) up to date. At the end (all batches trained,
+a signal, or a consumer's death) consumers are asked to stop (they write a checkpoint), producers are stopped,
+and everything the run created in ``/dev/shm`` and the socket file are removed; ``summary.json`` records the
+outcome.
 
 Guarantees: a producer's unpublished slots are reclaimed only after its process has been reaped; a
 consumer's death ends the run with its last checkpoint kept (``--resume`` continues), and a run whose

@@ -155,8 +155,8 @@ class DFlashConfig:
         ``target_layer_ids=None`` -> ``default_target_layer_ids(L, num_target_layers)`` (the producer's
         ``producers.target`` definitions, so both sides pick and validate the same layers).
         ``num_draft_layers=None`` -> one draft layer per captured layer. ``mask_token_id=None`` ->
-        ``resolve_mask_token_id(target_dir, trust_remote_code)``. Raises ``ConfigError`` (a ``ValueError``) for layer ids outside
-        the target or repeated.
+        ``resolve_mask_token_id(target_dir, trust_remote_code)``. Raises ``ConfigError`` (a ``ValueError``) for
+        layer ids outside the target or repeated.
         """
         raw = read_target_config(target_dir)
         cfg = text_config(raw)

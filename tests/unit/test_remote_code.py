@@ -71,7 +71,8 @@ def remote_checkpoint(root: Path) -> Path:
                          "AutoModelForCausalLM": "modeling_remote.RemoteQwenForCausalLM"})
     (d / "config.json").write_text(json.dumps(cfg))
     tok = json.loads((d / "tokenizer_config.json").read_text())
-    tok.update(tokenizer_class="RemoteTokenizer", auto_map={"AutoTokenizer": [None, "tokenization_remote.RemoteTokenizer"]})
+    tok.update(tokenizer_class="RemoteTokenizer",
+               auto_map={"AutoTokenizer": [None, "tokenization_remote.RemoteTokenizer"]})
     (d / "tokenizer_config.json").write_text(json.dumps(tok))
     (d / "configuration_remote.py").write_text(CONFIGURATION)
     (d / "modeling_remote.py").write_text(MODELING)
