@@ -54,7 +54,8 @@ class ProducerStage:
     write and publish, as ``producers/main.py`` does with one batch in flight) and the seconds it took."""
 
     def __init__(self, cfg: RunConfig, device: str, random_weights: bool = False):
-        self.model, hf = load_target(cfg.producer.target, device, cfg.producer.dtype, random_weights=random_weights)
+        self.model, hf = load_target(cfg.producer.target, device, cfg.producer.dtype, random_weights=random_weights,
+                                   trust_remote_code=cfg.producer.trust_remote_code)
         self.device = torch.device(device)
         layers = resolve_layer_ids(hf.num_hidden_layers, cfg.producer.target_layer_ids, cfg.producer.num_target_layers)
         self.layer_ids = layers

@@ -44,31 +44,50 @@ def target_of_checkpoint(step_dir: str | Path) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------- command line
+HELP_EXAMPLES = """\
+examples:
+  launch.py eval --drafter runs/latest                  the run's latest checkpoint on the demo held-out split
+  launch.py eval --drafter exported/ --target Qwen/Qwen3-8B --data data/heldout.arrow --num-prompts 64
+  launch.py eval --baselines-only --target /models/Qwen3-8B --data data/heldout.arrow"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py eval", description=(
+    """The parser of ``launch.py eval``, its options grouped by concern, each with its default."""
+    from specring.cli.flags import CommandHelpFormatter
+
+    p = argparse.ArgumentParser(prog="launch.py eval", formatter_class=CommandHelpFormatter, epilog=HELP_EXAMPLES,
+                                description=(
         "Acceptance length tau by real greedy block-verify speculative decoding with the target, next to "
         "the baselines (untrained drafter, prompt lookup) and checked lossless against greedy decoding."))
-    p.add_argument("--target", help="target checkpoint directory (default: the run's target, else "
-                                    "assets/tiny-code-lm)")
-    p.add_argument("--drafter", default="none", help="checkpoint step directory or run directory (its latest "
-                                                     "checkpoint); 'none' = baselines only")
-    p.add_argument("--data", nargs="+", help="held-out Arrow file(s) from `launch.py prepare` "
+    m = p.add_argument_group("target and drafter")
+    m.add_argument("--drafter", default="none", help="checkpoint step directory, run directory (its latest "
+                                                     "checkpoint) or export; none: baselines only")
+    m.add_argument("--target", metavar="DIR|ORG/NAME",
+                   help="target checkpoint: a directory or a hub id (Qwen/Qwen3-8B) resolved from the local Hugging "
+                        "Face cache (default: the run's target, else assets/tiny-code-lm)")
+    m.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run the modelling and tokenizer code the target ships")
+    m.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda or cuda:N")
+    m.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32")
+    d = p.add_argument_group("prompts")
+    d.add_argument("--data", nargs="+", help="held-out Arrow file(s) from `launch.py prepare` "
                                              "(default: data/demo/heldout.arrow, built when missing)")
-    p.add_argument("--num-prompts", type=int, default=24, help="prompts per dataset (default 24)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt = first N tokens of a sample (default 256)")
-    p.add_argument("--block-size", type=int, help="verify block size B (default: the drafter's, else 16)")
-    p.add_argument("--baselines-only", action="store_true", help="evaluate only the baselines")
-    p.add_argument("--no-baselines", action="store_true", help="skip the untrained-drafter and prompt-lookup rows")
-    p.add_argument("--baselines", default="untrained,prompt-lookup",
-                   help="comma list of baseline rows: untrained, prompt-lookup (default both)")
-    p.add_argument("--no-lossless-check", action="store_true", help="skip the greedy reference decode")
-    p.add_argument("--ngram-max", type=int, default=3, help="longest n-gram of the prompt-lookup baseline")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS token")
-    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed of the untrained drafter")
-    p.add_argument("--output-json", help="write every figure to this JSON file")
+    d.add_argument("--num-prompts", type=int, default=24, help="prompts per dataset")
+    d.add_argument("--prompt-len", type=int, default=256, help="prompt = first N tokens of a sample")
+    g = p.add_argument_group("decoding")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
+    g.add_argument("--block-size", type=int, help="verify block size B (default: the drafter's, else 16)")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS token")
+    g.add_argument("--no-lossless-check", action="store_true", help="skip the greedy reference decode")
+    b = p.add_argument_group("baselines")
+    b.add_argument("--baselines-only", action="store_true", help="evaluate only the baselines")
+    b.add_argument("--no-baselines", action="store_true", help="skip the untrained-drafter and prompt-lookup rows")
+    b.add_argument("--baselines", default="untrained,prompt-lookup",
+                   help="comma list of baseline rows: untrained, prompt-lookup")
+    b.add_argument("--ngram-max", type=int, default=3, help="longest n-gram of the prompt-lookup baseline")
+    b.add_argument("--seed", type=int, default=0, help="initialisation seed of the untrained drafter")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-json", help="write every figure to this JSON file")
     return p
 
 
@@ -92,10 +111,13 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"{flag}: must be >= 1, got {v}")
     use_drafter = not args.baselines_only and str(args.drafter).lower() not in ("none", "")
     step_dir = ckpt.resolve_checkpoint(args.drafter) if use_drafter else None
-    target_dir = Path(args.target or (step_dir and target_of_checkpoint(step_dir)) or DEFAULT_TARGET)
+    from specring.shared.hub import resolve_model_dir
+    target_dir = resolve_model_dir(args.target or (step_dir and target_of_checkpoint(step_dir)) or DEFAULT_TARGET,
+                                   "--target")
+    trust = bool(getattr(args, "trust_remote_code", False))
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
         "cpu" if args.device == "auto" else args.device)
-    target, hf_config = load_target(target_dir, device, args.dtype)
+    target, hf_config = load_target(target_dir, device, args.dtype, trust_remote_code=trust)
     dtype = next(target.parameters()).dtype
     if step_dir is not None:
         if ckpt.is_export(step_dir):   # evaluated as served: in its exported dtype, whatever --dtype says
@@ -107,7 +129,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         dcfg = drafter.config
     else:
         drafter = None
-        dcfg = DFlashConfig.from_target(target_dir, None, block_size=args.block_size or 16)
+        dcfg = DFlashConfig.from_target(target_dir, None, block_size=args.block_size or 16, trust_remote_code=trust)
     bsz = int(args.block_size or dcfg.block_size)
     if bsz < 2:
         raise ConfigError(f"--block-size: must be >= 2, got {bsz}")

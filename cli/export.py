@@ -94,10 +94,10 @@ def _target_config(target_dir: Path) -> tuple[dict, dict]:
     return raw, _text_config(raw)
 
 
-def _mask_token_string(target_dir: Path, mask_token_id: int) -> str | None:
+def _mask_token_string(target_dir: Path, mask_token_id: int, trust_remote_code: bool = False) -> str | None:
     try:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(str(target_dir))
+        from specring.shared.hub import load_pretrained
+        tok = load_pretrained("tokenizer", target_dir, trust_remote_code=trust_remote_code)
         return str(tok.convert_ids_to_tokens(int(mask_token_id)))
     except Exception as e:  # a target without a tokenizer still exports (mask by id only)
         logger.warning("mask token string not resolved from %s: %s", target_dir, e)
@@ -219,10 +219,11 @@ def _check_checkpoint(step_dir: Path, target_dir: Path) -> tuple[DFlashDrafter, 
 
 
 def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: str | Path | None = None,
-                   dtype: str = "auto", overwrite: bool = False) -> Path:
+                   dtype: str = "auto", overwrite: bool = False, trust_remote_code: bool = False) -> Path:
     """Write the serving directory for ``checkpoint`` (step, checkpoints or run directory) to ``output_dir``.
 
-    ``target_dir``: the target (default: the run's, from ``run_dir/config.json``, else the fixture);
+    ``target_dir``: the target, a directory or a hub id (``shared.hub.resolve_model_dir``; default: the run's,
+    from ``run_dir/config.json``, else the fixture); ``trust_remote_code``: its tokenizer's own code may run;
     ``dtype``: ``auto`` (the target's ``dtype``, else bfloat16), ``bfloat16``, ``float16`` or ``float32``.
     The directory is written under a temporary name and renamed into place. Raises ``FileNotFoundError``
     (no checkpoint, no target), ``FileExistsError`` (a non-empty ``output_dir`` without ``overwrite``) and
@@ -234,7 +235,8 @@ def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     step_dir = ckpt.resolve_checkpoint(checkpoint)
     if ckpt.is_export(step_dir):
         raise ValueError(f"--drafter: {step_dir} is an export already; export from a checkpoint or run directory")
-    target = Path(target_dir or target_of_checkpoint(step_dir) or DEFAULT_TARGET)
+    from specring.shared.hub import resolve_model_dir
+    target = resolve_model_dir(target_dir or target_of_checkpoint(step_dir) or DEFAULT_TARGET, "--target")
     out = Path(output_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"--output: {out} exists and is not empty (pass --overwrite)")
@@ -247,7 +249,8 @@ def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     weights = {k: v.to(DTYPES[dtype]).contiguous() for k, v in drafter.trainable_state_dict().items()}
     expected = reference_weight_names(drafter.config.num_hidden_layers)
     assert set(weights) == expected, f"weight names drifted from the reference: {set(weights) ^ expected}"
-    cfg = exported_config(drafter.config, target_raw, dtype, _mask_token_string(target, drafter.config.mask_token_id))
+    cfg = exported_config(drafter.config, target_raw, dtype, _mask_token_string(target, drafter.config.mask_token_id,
+                                                                               trust_remote_code))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -343,15 +346,31 @@ def load_exported(export_dir: str | Path, target_dir: str | Path, device: str | 
     return model.to(device).eval()
 
 
+HELP_EXAMPLES = """\
+examples:
+  launch.py export --drafter runs/latest --output exported/
+  launch.py export --drafter runs/q8/checkpoints/step-002000 --target Qwen/Qwen3-8B --output q8-dflash/ --overwrite"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py export", description=(
+    """The parser of ``launch.py export``, its options grouped by concern, each with its default."""
+    from specring.cli.flags import CommandHelpFormatter
+
+    p = argparse.ArgumentParser(prog="launch.py export", formatter_class=CommandHelpFormatter, epilog=HELP_EXAMPLES,
+                                description=(
         "Write a drafter checkpoint as a DFlashDraftModel directory (config.json + model.safetensors) that "
         "the SGLang and vLLM DFlash loaders accept."))
-    p.add_argument("--drafter", required=True, help="checkpoint step directory or run directory (latest checkpoint)")
-    p.add_argument("--output", required=True, help="directory to write")
-    p.add_argument("--target", help="target checkpoint (default: the run's target, else assets/tiny-code-lm)")
-    p.add_argument("--dtype", default="auto", help="auto (the target's), bfloat16, float16 or float32")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
+    c = p.add_argument_group("checkpoint and target")
+    c.add_argument("--drafter", required=True, help="checkpoint step directory or run directory (latest checkpoint)")
+    c.add_argument("--target", metavar="DIR|ORG/NAME",
+                   help="target checkpoint: a directory or a hub id (Qwen/Qwen3-8B) resolved from the local Hugging "
+                        "Face cache (default: the run's target, else assets/tiny-code-lm)")
+    c.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run the tokenizer code the target ships")
+    o = p.add_argument_group("output")
+    o.add_argument("--output", required=True, help="directory to write")
+    o.add_argument("--dtype", default="auto", help="auto (the target's), bfloat16, float16 or float32")
+    o.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
     return p
 
 
@@ -362,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging("export")
     try:
-        out = export_drafter(args.drafter, args.output, args.target, args.dtype, args.overwrite)
+        out = export_drafter(args.drafter, args.output, args.target, args.dtype, args.overwrite,
+                             args.trust_remote_code)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

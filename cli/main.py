@@ -31,14 +31,24 @@ COMMANDS = {
 }
 
 
+EXAMPLES = """\
+examples:
+  launch.py                                           train on the embedded default (fixture target, demo corpus)
+  launch.py prepare data/chat.jsonl --tokenizer Qwen/Qwen3-8B --output data/train.arrow
+  launch.py train --config configs/qwen3-8b.toml --data data/train.arrow --report-to tensorboard
+  launch.py status                                    the processes of the running run (runs/latest)
+  launch.py eval --drafter runs/latest                tau of the latest checkpoint against the baselines
+  launch.py export --drafter runs/latest --output exported/"""
+
+
 def usage() -> str:
-    """The text of ``launch.py --help``: every command with its one-line description."""
+    """The text of ``launch.py --help``: every command with its one-line description, then examples."""
     width = max(map(len, COMMANDS)) + 2
     lines = ["usage: launch.py [COMMAND] [FLAGS]", "",
              "specring: train speculative-decoding drafters (DFlash) from a target LLM's hidden states.", "",
              "commands (train when none is named):"]
     lines += [f"  {name:<{width}}{text}" for name, (_, _, text) in COMMANDS.items()]
-    lines += ["", "Run `launch.py COMMAND --help` for a command's flags, e.g. `launch.py train --help`."]
+    lines += ["", "Run `launch.py COMMAND --help` for a command's flags, e.g. `launch.py train --help`.", "", EXAMPLES]
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specring.cli.flags import CommandHelpFormatter
 from specring.cli.main import description
 from specring.shared import paths
 from specring.shared.config import finite_number
@@ -32,7 +33,8 @@ def _address(run_dir: str) -> str:
 
 def status_main(argv: list[str]) -> int:
     """``launch.py status --run-dir R``: one line per process from the running supervisor."""
-    ap = argparse.ArgumentParser(prog="launch.py status", description=description("status") + " Exits with 1 "
+    ap = argparse.ArgumentParser(prog="launch.py status", formatter_class=CommandHelpFormatter,
+                                 description=description("status") + " Exits with 1 "
                                  "when no run is going in the run directory (its supervisor has exited).")
     ap.add_argument("--run-dir", default=str(latest_link()), help="the run to ask (default: runs/latest)")
     ap.add_argument("--json", action="store_true", help="print the raw status as JSON")
@@ -83,7 +85,8 @@ def _num(x, spec: str) -> str:
 
 def restart_main(argv: list[str]) -> int:
     """``launch.py restart producer N --run-dir R``: graceful restart of one producer."""
-    ap = argparse.ArgumentParser(prog="launch.py restart", description="Gracefully restart one producer while "
+    ap = argparse.ArgumentParser(prog="launch.py restart", formatter_class=CommandHelpFormatter,
+                                 description="Gracefully restart one producer while "
                                  "training goes on: it finishes its current batch, exits, and comes back as a new "
                                  "generation; its published slots are still consumed.")
     ap.add_argument("role", choices=["producer"], help="only producers can be restarted")
@@ -105,7 +108,8 @@ def restart_main(argv: list[str]) -> int:
 
 def clean_main(argv: list[str]) -> int:
     """``launch.py clean``: remove segments, socket files and processes of runs whose supervisor is dead."""
-    ap = argparse.ArgumentParser(prog="launch.py clean", description=description("clean") + " A run whose "
+    ap = argparse.ArgumentParser(prog="launch.py clean", formatter_class=CommandHelpFormatter,
+                                 description=description("clean") + " A run whose "
                                  "launcher is alive (it holds RUN_DIR/.lock) is left alone; run directories under "
                                  "./runs are always looked in.")
     ap.add_argument("--run-dir", action="append", default=[], help="also look in this run directory (repeatable)")

@@ -49,7 +49,8 @@ class CheckpointEvaluator:
         from specring.shared.models.target import load_target
         tc, pc = self.cfg.trainer, self.cfg.producer
         if self.target is None:
-            self.target, _ = load_target(pc.target, self.device, pc.dtype, random_weights=pc.random_weights)
+            self.target, _ = load_target(pc.target, self.device, pc.dtype, random_weights=pc.random_weights,
+                                         trust_remote_code=pc.trust_remote_code)
             self.prompts = load_prompts(self.cfg.data.heldout, tc.eval_prompts, self.prompt_len)
 
     def __call__(self, drafter: DFlashDrafter, step: int, loss: float | None,

@@ -80,7 +80,8 @@ def dflash_config_from_run(run: RunConfig) -> DFlashConfig:
     p, t = run.producer, run.trainer
     return DFlashConfig.from_target(p.target, p.target_layer_ids, block_size=t.block_size,
                                     mask_token_id=t.mask_token_id, num_draft_layers=t.num_draft_layers,
-                                    num_target_layers=p.num_target_layers)
+                                    num_target_layers=p.num_target_layers,
+                                    trust_remote_code=p.trust_remote_code)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -222,14 +223,8 @@ class Trainer:
 
         self._metrics_path = self.run_dir / "metrics.jsonl"
         self._write_metrics = write_metrics and rank == 0
-        self._tb = None
-        if self._write_metrics:
+        if self._write_metrics:  # the supervisor sends these lines to the trackers (--report-to)
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-            except Exception:  # tensorboard not installed: JSON lines only
-                self._tb = None
 
     # ------------------------------------------------------------------ one micro-batch
     def _reset_window(self) -> None:
@@ -486,11 +481,6 @@ class Trainer:
             return
         with open(self._metrics_path, "a") as f:
             f.write(json.dumps(m) + "\n")
-        if self._tb is not None:
-            for key in ("loss", "accept_proxy", "tokens_per_s", "lr", "grad_norm"):
-                v = m.get(key)
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(f"train/{key}", v, m["step"])
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -589,8 +579,3 @@ class Trainer:
         logger.info("resumed step=%d from=%s trained_batches=%d", self.step_count, step_dir,
                     len(self.trained_batch_ids))
         return step_dir
-
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None

@@ -33,6 +33,7 @@ from specring.shared.errors import ConfigError
 from specring.shared.paths import DEFAULT_TARGET
 
 LABEL_SOURCES = ("target", "data")
+REPORT_BACKENDS = ("tensorboard", "wandb", "mlflow")   # --report-to (supervisor/reporting.py writes them)
 
 
 MAX_SECONDS = 10**6                  # ~11.6 days: the longest duration any timeout or interval may ask for
@@ -59,21 +60,23 @@ def setting(default: Any = dataclasses.MISSING, *, help: str = "", aliases: tupl
             choices: tuple = (), cpu_default: Any = dataclasses.MISSING, resume: bool = False,
             group: str | None = None, metavar: str | None = None, default_text: str | None = None,
             machine_default: Callable[[], Any] | None = None, follows: str | None = None,
-            filled_at_start: bool = False, path: bool = False, ge: float | None = None,
+            filled_at_start: bool = False, path: bool = False, hub: bool = False, ge: float | None = None,
             gt: float | None = None, le: float | None = None, unit: str = "", **kw: Any) -> Any:
     """Declare a config field: its default and everything derived from it (see ``FieldSpec``).
 
     ``help`` is the one line ``--help`` shows (the default is appended); ``aliases`` are short flags
     (``"--lr"`` or ``Alias(...)``) besides ``--SECTION.FIELD-NAME``; ``choices`` the allowed values;
     ``cpu_default`` the default when every device is CPU; ``resume=True``: the value may change on
-    ``--resume``; ``path=True``: a file or directory (compared resolved); ``ge``/``gt``/``le``/``unit``:
+    ``--resume``; ``path=True``: a file or directory (compared resolved); ``hub=True``: a directory or a Hugging
+    Face hub id (``shared.hub.resolve_model_dir``, resolved when the run starts); ``ge``/``gt``/``le``/``unit``:
     bounds of a number (see ``num``); the other keywords are described on ``FieldSpec``. A list default is
     copied for each instance."""
     meta: dict[str, Any] = {"ge": ge, "gt": gt, "le": le, "unit": unit, "help": help,
                             "aliases": tuple(a if isinstance(a, Alias) else Alias(a) for a in aliases),
                             "choices": tuple(choices), "resume": resume, "group": group, "metavar": metavar,
                             "default_text": default_text, "machine_default": machine_default,
-                            "follows": follows, "filled_at_start": filled_at_start, "path": path}
+                            "follows": follows, "filled_at_start": filled_at_start, "path": path,
+                            "hub": hub}
     if cpu_default is not dataclasses.MISSING:
         meta["cpu_default"] = cpu_default
     if isinstance(default, list):
@@ -289,9 +292,15 @@ class RingConfig:
 class ProducerConfig:
     """The target model a producer runs and the layers whose hidden states it captures."""
     GROUP: ClassVar[str] = "target & capture"
-    target: str = setting(str(DEFAULT_TARGET), aliases=("--target",), path=True,
+    target: str = setting(str(DEFAULT_TARGET), aliases=("--target",), path=True, hub=True, metavar="DIR|ORG/NAME",
                           default_text="the embedded fixture, assets/tiny-code-lm",
-                          help="target checkpoint directory (Hugging Face format)")
+                          help="target checkpoint: a directory (Hugging Face format) or a hub id such as "
+                               "Qwen/Qwen3-8B[@revision], resolved once at start from the local Hugging Face "
+                               "cache (downloaded into it unless HF_HUB_OFFLINE=1); the run records the directory")
+    trust_remote_code: bool = setting(False, aliases=("--trust-remote-code",),
+                                      help="let transformers run the modelling and tokenizer code that the "
+                                           "target's directory ships (model families outside transformers), in "
+                                           "every process that loads the target or its tokenizer")
     devices: list[str] = setting(["cpu", "cpu"], aliases=("--producers",), group="topology",
                                  machine_default=lambda: default_devices()[0],
                                  default_text="cpu,cpu; with GPUs cuda:0,cuda:0 (1 or 2 GPUs), cuda:0,cuda:1 (3+)",
@@ -448,6 +457,13 @@ class RunConfig:
     resume: bool = setting(False, help="continue the run in --run-dir from its latest checkpoint, with its saved "
                                        "configuration; only flags whose help says 'may change on --resume' may "
                                        "differ from the saved run")
+    report_to: list[str] = setting([], resume=True, metavar="BACKEND,...",
+                                   default_text="none",
+                                   help="experiment trackers that receive the run's figures (loss, per-slot "
+                                        "accuracy, tau, tokens/s, ring occupancy, producer restarts), a comma "
+                                        f"list of none, {', '.join(REPORT_BACKENDS)}; a tracker that is not "
+                                        "installed is an error at start; wandb runs offline unless WANDB_API_KEY "
+                                        "or WANDB_MODE say otherwise")
     tcp: str = setting("", group="topology", metavar="ADDRESS", default_text="an ipc socket in the run directory",
                        help="TCP address for the control messages, e.g. tcp://127.0.0.1:5555")
     data: DataConfig = field(default_factory=DataConfig)
@@ -459,6 +475,10 @@ class RunConfig:
     def __post_init__(self):
         if self.run_id:
             _require(str(self.run_id).isalnum(), "run_id", f"must be alphanumeric, got {self.run_id!r}")
+        names = [str(x).strip().lower() for x in self.report_to]
+        bad = [x for x in names if x not in ("none", "") + REPORT_BACKENDS]
+        _require(not bad, "report_to", f"unknown tracker(s) {bad}; known: none, {', '.join(REPORT_BACKENDS)}")
+        self.report_to = list(dict.fromkeys(x for x in names if x not in ("none", "")))
         self.sources: dict[str, str] = {}
         self.cpu_defaults: dict[str, Any] = {}
         self.resume_changes: list[str] = []
@@ -514,7 +534,8 @@ class FieldSpec:
     ``help``; ``ge``/``gt``/``le``/``unit`` (bounds); ``aliases`` (``Alias`` flags besides ``flag``);
     ``choices``; ``cpu_default`` (the default when every device is CPU, present only when declared);
     ``resume`` (may change on ``--resume``); ``group`` (``--help`` group, else the class's ``GROUP``);
-    ``metavar``; ``path`` (a file or directory: shown as PATH, compared resolved); ``default_text`` (how
+    ``metavar``; ``path`` (a file or directory: shown as PATH, compared resolved); ``hub`` (a directory or a
+    Hugging Face hub id, resolved to the directory when the run starts); ``default_text`` (how
     ``--help`` shows the default when the value alone does not say it);
     ``machine_default`` (a callable giving the command line's default on this machine); ``follows`` (the
     key of a field whose value this one takes when only that one is set); ``filled_at_start`` (the

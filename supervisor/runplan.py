@@ -183,15 +183,22 @@ def check_anchors(ds, flag: str = "--data") -> list[str]:
 def resolve_run(cfg: RunConfig) -> RunPlan:
     """Validate ``cfg`` and compute the ``RunPlan``; raises ``ConfigError`` naming the flag at fault.
 
+    Checks that every tracker of ``--report-to`` is installed (``supervisor.reporting.check_backends``) and
+    resolves ``--target`` once, a hub id to its directory in the local Hugging Face cache
+    (``shared.hub.resolve_model_dir``): the children and the run's ``config.json`` get the directory.
     Fills in ``cfg.data.data``/``cfg.data.heldout`` (demo corpus, prepared on first use),
     ``cfg.producer.target_layer_ids``, ``cfg.ring.slot_bytes`` when 0 and ``cfg.trainer.max_steps`` when
     ``--epochs`` is given, so that children read fully resolved values.
     """
+    from specring.shared.hub import resolve_model_dir
     from specring.shared.models.target import (
         DEFAULT_NUM_TARGET_LAYERS,
         resolve_layer_ids,
     )
+    from specring.supervisor.reporting import check_backends
 
+    check_backends(cfg.report_to)
+    cfg.producer.target = str(resolve_model_dir(cfg.producer.target, cfg.origin("producer.target")))
     producer_devices = [check_device(d, "--producers") for d in cfg.producer.devices]
     for d in cfg.trainer.devices:
         check_device(d, "--consumers")

@@ -1,12 +1,13 @@
 """The supervisor process: owns the rings, the coordinator socket and every child; runs the event loop.
 
-``Supervisor(config).run()`` builds the batch order, creates one ring per producer, binds the ROUTER
-socket, starts producers and consumers, and loops: receive control messages and hand them to the
-``Coordinator``, send what it pumps out, watch children with the ``HealthMonitor`` (reap the dead, kill the
-hung, restart producers with a new generation), answer ``launch.py status``/``restart``, and keep a live
-progress line. At the end (all batches trained, a signal, or a consumer's death) consumers are asked to
-stop (they write a checkpoint), producers are stopped, and everything the run created in ``/dev/shm`` and
-the socket file are removed; ``summary.json`` records the outcome.
+``Supervisor(config).run()`` builds the batch order, creates one ring per producer, binds the ROUTER socket,
+starts producers and consumers, and loops: receive control messages and hand them to the ``Coordinator``, send
+what it pumps out, watch children with the ``HealthMonitor`` (reap the dead, kill the hung, restart producers
+with a new generation), answer ``launch.py status``/``restart``, and keep a live progress line and the
+experiment trackers of ``--report-to`` (``supervisor.reporting``) up to date. At the end (all batches trained,
+a signal, or a consumer's death) consumers are asked to stop (they write a checkpoint), producers are stopped,
+and everything the run created in ``/dev/shm`` and the socket file are removed; ``summary.json`` records the
+outcome.
 
 Guarantees: a producer's unpublished slots are reclaimed only after its process has been reaped; a
 consumer's death ends the run with its last checkpoint kept (``--resume`` continues), and a run whose
@@ -65,6 +66,7 @@ from specring.supervisor.coordinator import Coordinator
 from specring.supervisor.monitor import Child, HealthMonitor
 from specring.supervisor.peers import CommandGate, LogLimiter
 from specring.supervisor.progress import Progress
+from specring.supervisor.reporting import Reporter
 from specring.supervisor.resume import checkpoint_step_on_disk, read_checkpoint_batches
 from specring.supervisor.runplan import RunPlan
 from specring.supervisor.status import write_status
@@ -122,6 +124,8 @@ class Supervisor:
         self.gate = CommandGate()           # operator commands: rate-limited per peer, non-readers dropped
         self.log_limiter = LogLimiter(LOG_EVERY_S)
         self.refused_commands = 0
+        self.reporter: Reporter | None = None
+        self._reported_step = -1
 
     # ------------------------------------------------------------------ set-up
     def _setup(self) -> None:
@@ -162,6 +166,8 @@ class Supervisor:
                  slot_bytes=self.plan.slot_bytes, num_slots=cfg.ring.num_slots,
                  supervisor_pid=os.getpid()).save(self.run_dir)
         self.dist_port = _free_port()
+        self.reporter = Reporter(cfg.report_to, self.run_dir, self.run_id, cfg.to_dict(),
+                                 start_step=self.last_checkpoint.get("step", 0) if cfg.resume else 0)
         log.info("start run_id=%s producers=%d consumers=%d planned_batches=%d slot_mib=%.1f address=%s",
                  self.run_id, n, len(self.consumers), len(self.plan.order), self.plan.slot_bytes / 2**20,
                  self.address)
@@ -414,6 +420,10 @@ class Supervisor:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             self.progress.close(self.tokens_per_s())
+            try:
+                self._report(final=True)
+            except Exception as e:  # noqa: BLE001 - a tracker never changes the run's outcome
+                log.error("report_to close failed error=%s: %s", type(e).__name__, e)
             co = self.coordinator
             if (self.stop_reason or "done") == "done" and co is not None and co.bad and not co.trained:
                 self.stop_reason = "all_batches_bad"  # nothing trainable: not a success
@@ -464,6 +474,34 @@ class Supervisor:
                 self._kill_orphans()  # e.g. a daemon that a live child's helper double-forked
                 self.progress.refresh(co, self.producers, self.tokens_per_s())
                 write_status(self.run_dir, self.run_id, self.status_rows())
+                self._report()
+
+    def pipeline_figures(self) -> dict[str, float]:
+        """The supervisor's own figures for the trackers: end-to-end tokens/s, slots of each producer's ring
+        by state (``pipeline/ring{i}_ready`` ...), restarts of each producer and in all, rejected messages."""
+        out = {"pipeline/tokens_per_s": self.tokens_per_s(),
+               "pipeline/restarts": float(sum(p.restarts for p in self.producers))}
+        for p in self.producers:
+            out[f"pipeline/producer{p.index}_restarts"] = float(p.restarts)
+            if self.coordinator is not None:
+                for state, n in self.coordinator.occupancy(p.index).items():
+                    out[f"pipeline/ring{p.index}_{state.lower()}"] = float(n)
+        if self.coordinator is not None:
+            out["pipeline/trained_batches"] = float(len(self.coordinator.trained))
+        return out
+
+    def _report(self, final: bool = False) -> None:
+        """Send what is new to the trackers (``Reporter.refresh``); the pipeline figures once per optimizer
+        step (and at the end), so that a slow run does not send the same step every second."""
+        if self.reporter is None:
+            return
+        step = self.progress.step
+        pipeline = self.pipeline_figures() if final or step != self._reported_step else None
+        self._reported_step = step
+        if final:
+            self.reporter.close(pipeline)
+        else:
+            self.reporter.refresh(pipeline)
 
     def tokens_per_s(self) -> float:
         """Target tokens trained per second between the first and the latest optimizer step (all ranks;
