@@ -83,6 +83,19 @@ def dflash_config_from_run(run: RunConfig) -> DFlashConfig:
                                     num_target_layers=p.num_target_layers)
 
 
+def eagle3_config_from_run(run: RunConfig) -> Eagle3Config:
+    """The EAGLE-3 drafter config of a run: target and its three captured layers from ``run.producer``, draft
+    vocabulary size (capped at the target's vocabulary) and TTT steps from ``run.trainer``."""
+    p, t = run.producer, run.trainer
+    return Eagle3Config.from_target(p.target, p.target_layer_ids, draft_vocab_size=t.draft_vocab,
+                                    ttt_steps=t.ttt_steps)
+
+
+def drafter_config_from_run(run: RunConfig) -> DFlashConfig | Eagle3Config:
+    """``eagle3_config_from_run`` or ``dflash_config_from_run``, as ``run.trainer.drafter`` says."""
+    return eagle3_config_from_run(run) if run.trainer.drafter == "eagle3" else dflash_config_from_run(run)
+
+
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """Linear warm-up over ``warmup_steps`` (from ``1/warmup``), then cosine from 1 to ``min_lr_ratio``
     at ``total_steps``; constant ``min_lr_ratio`` after it."""
@@ -318,8 +331,8 @@ class Trainer:
         A compiler failure (a toolchain the machine lacks, a torch without the needed support) is logged as an
         error naming the form given up, and the trainer falls back: compiled layers -> eager layers, then flex
         -> dense attention; the weights are the same either way, only the speed differs."""
-        if self.attention != "flex" and not self.compiled:
-            return 0.0
+        if (self.kind == "eagle3" or self.attention != "flex") and not self.compiled:
+            return 0.0  # EAGLE-3 never uses flex attention: only compiled layers need warming up
         t0 = time.perf_counter()
         try:
             self._warm_up_once()
@@ -327,7 +340,7 @@ class Trainer:
             if self.compiled:
                 logger.error("compile_failed form=compiled_layers fallback=eager_layers error=%s: %s",
                              type(e).__name__, str(e)[:500])
-                for layer in self.model.layers:
+                for layer in (self.model.layers if self.kind == "dflash" else [self.model.midlayer]):
                     layer._compiled_call_impl = None  # undo nn.Module.compile()
                 self.compiled = False
             else:
@@ -339,8 +352,10 @@ class Trainer:
 
     def _warm_up_once(self) -> None:
         n = 2 * self.cfg.block_size + 2
-        batch = {"hidden": torch.zeros(2 * n, self.dcfg.num_target_layers * self.dcfg.hidden_size, device=self.device),
-                 "input_ids": torch.full((2 * n,), self.dcfg.mask_token_id, dtype=torch.int32, device=self.device),
+        width = self.dcfg.num_target_layers * getattr(self.dcfg, "target_hidden_size", self.dcfg.hidden_size)
+        token = self.dcfg.mask_token_id if self.kind == "dflash" else 0
+        batch = {"hidden": torch.zeros(2 * n, width, device=self.device),
+                 "input_ids": torch.full((2 * n,), token, dtype=torch.int32, device=self.device),
                  "loss_mask": torch.ones(2 * n, dtype=torch.uint8, device=self.device),
                  "cu_seqlens": torch.tensor([0, n, 2 * n], dtype=torch.int32)}
         if self.cfg.label_source == "target":
