@@ -293,7 +293,7 @@ def test_cpu_defaults_only_when_every_device_is_cpu(monkeypatch):
 
 def test_plan_prints_the_values_that_came_from_cpu_defaults(tmp_path, capsys):
     from specring.cli.train import train_main
-    from tests.system.launcher_util import make_dataset
+    from tests.support import make_dataset
 
     data = make_dataset(tmp_path / "d.arrow", num_samples=8)
     common = ["--plan", "--data", str(data), "--run-dir", str(tmp_path / "r"), "--producers", "cpu",
