@@ -58,6 +58,7 @@ examples:
   launch.py train --plan                            print the resolved run (and its CPU defaults); start nothing
   launch.py train --target /models/Qwen3-8B --data data/train.arrow --producers cuda:0,cuda:1 \\
       --consumers cuda:2 --target-layers 1,9,17,25,33 --max-tokens 32768 --epochs 1 --run-dir runs/q8
+  launch.py train --drafter eagle3 --draft-vocab 32000 --ttt-steps 7   an EAGLE-3 drafter (three target layers)
   launch.py train --config run.toml --lr 3e-4       the file, with one value overridden
   launch.py train --trainer.grad-clip 0.5 --monitor.backoff-max-s 30 --data.bucket-edges 64,256,1024
   launch.py train --resume --max-steps 2000         continue runs/latest for longer

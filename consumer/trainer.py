@@ -400,7 +400,8 @@ class Trainer:
         Every ``grad_accum``-th call takes the optimizer step (all ranks must call ``step`` the same
         number of times) and returns the window's group-wide metrics with ``optimizer_step=True`` and
         ``batch_ids`` = every rank's ids of the window. Other calls return this micro-batch's local
-        metrics with ``optimizer_step=False``. Keys: ``step``, ``loss``, ``per_slot_acc`` (slots 1..B-1),
+        metrics with ``optimizer_step=False``. Keys: ``step``, ``loss``, ``per_slot_acc`` (DFlash: slots 1..B-1;
+        EAGLE-3: ``per_step_acc``, TTT steps 0..K-1),
         ``accept_proxy``, ``num_tokens``, ``tokens_per_s``, ``skipped``, ``optimizer_step``, ``batch_ids``,
         ``lr``, ``grad_norm``, ``num_blocks``, ``time``. Raises ``BadBatch`` for a malformed batch and
         after ``max_nonfinite_in_row`` non-finite windows in a row.

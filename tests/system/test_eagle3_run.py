@@ -22,6 +22,7 @@ from safetensors import safe_open
 
 from benchmarks.launcher import kill_tree, start_launcher
 from specring.cli.export_eagle3 import check_eagle3_export
+from specring.cli.ops import status_main
 from specring.shared.data.dataset import TokenDataset
 from specring.shared.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 from specring.shared.models.eagle3 import default_eagle3_layer_ids, draft_to_target
@@ -143,12 +144,16 @@ def test_an_eagle3_run_trains_to_completion_exports_and_evaluates(dataset, tmp_p
         assert rows[name]["tau_mean"] >= 1.0 and rows[name]["mean_drafted"] <= 3
 
 
-def test_an_interrupted_eagle3_run_resumes_exactly_with_its_draft_vocabulary(dataset, tmp_path):
-    run_dir, steps = tmp_path / "run", 16
+def test_an_interrupted_eagle3_run_resumes_exactly_with_its_draft_vocabulary(dataset, tmp_path, capsys):
+    run_dir, steps = tmp_path / "run", 24
     proc = start_launcher(eagle3_flags(dataset, run_dir, steps, checkpoint_every=2, eval_prompts=0),
                           log_path=tmp_path / "first.log")
     try:
         wait_for(lambda: (run_dir / "checkpoints" / "latest").is_file(), 180, "a checkpoint")
+        capsys.readouterr()
+        assert status_main(["--run-dir", str(run_dir)]) == 0                # the live run's accuracy per TTT step
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("eagle3 accuracy per TTT step"))
+        assert [x.split(":")[0] for x in line.split("): ")[1].split()] == [str(k) for k in range(TTT_STEPS)], line
         os.kill(proc.pid, signal.SIGINT)
         code = proc.wait(timeout=90)
     finally:
