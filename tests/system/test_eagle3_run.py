@@ -21,8 +21,11 @@ import torch
 from safetensors import safe_open
 
 from benchmarks.launcher import kill_tree, start_launcher
+from specring.cli.eval import main as eval_main
+from specring.cli.export import main as export_main
 from specring.cli.export_eagle3 import check_eagle3_export
 from specring.cli.ops import status_main
+from specring.cli.train import train_main
 from specring.shared.data.dataset import TokenDataset
 from specring.shared.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 from specring.shared.models.eagle3 import default_eagle3_layer_ids, draft_to_target
@@ -79,7 +82,7 @@ def _assert_every_batch_once(run_dir: Path, planned: int) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_an_eagle3_run_trains_to_completion_exports_and_evaluates(dataset, tmp_path):
+def test_an_eagle3_run_trains_to_completion_exports_and_evaluates(dataset, tmp_path, capsys):
     run_dir, steps = tmp_path / "run", 6
     flags = eagle3_flags(dataset, run_dir, steps, heldout=dataset, eval_prompts=2, eval_prompt_len=32,
                          eval_max_new_tokens=8)
@@ -111,11 +114,11 @@ def test_an_eagle3_run_trains_to_completion_exports_and_evaluates(dataset, tmp_p
     evals = [json.loads(x) for x in (run_dir / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [5, 6] and all(e["tau_mean"] >= 1.0 for e in evals), evals
 
-    out = tmp_path / "export"
-    ex = subprocess.run([sys.executable, "launch.py", "export", "--drafter", str(run_dir), "--output", str(out)],
-                        cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert ex.returncode == 0, ex.stderr[-3000:]
-    assert "LlamaForCausalLMEagle3" in ex.stdout and "EAGLE3" in ex.stdout
+    out = tmp_path / "export"                                              # the commands, in this process
+    capsys.readouterr()
+    assert export_main(["--drafter", str(run_dir), "--output", str(out)]) == 0, capsys.readouterr().err[-3000:]
+    printed = capsys.readouterr().out
+    assert "LlamaForCausalLMEagle3" in printed and "EAGLE3" in printed, printed
     exported = json.loads((out / "config.json").read_text())
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
@@ -125,16 +128,13 @@ def test_an_eagle3_run_trains_to_completion_exports_and_evaluates(dataset, tmp_p
     assert torch.equal(tensors["d2t"], d2t) and torch.equal(tensors["t2d"], t2d)
     assert "embed_tokens.weight" not in tensors and tuple(tensors["lm_head.weight"].shape) == (DRAFT_VOCAB,
                                                                                                  shape["hidden_size"])
-    again = subprocess.run([sys.executable, "launch.py", "export", "--drafter", str(run_dir), "--output", str(out)],
-                           cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert again.returncode == 2 and "--overwrite" in again.stderr, again.stderr[-2000:]
+    assert export_main(["--drafter", str(run_dir), "--output", str(out)]) == 2
+    assert "--overwrite" in capsys.readouterr().err
 
     report = tmp_path / "eval.json"
-    ev = subprocess.run([sys.executable, "launch.py", "eval", "--drafter", str(run_dir), "--data", str(dataset),
-                         "--num-prompts", "2", "--prompt-len", "32", "--max-new-tokens", "8", "--num-draft-tokens",
-                         "3", "--baselines", "prompt-lookup", "--output-json", str(report)],
-                        cwd=REPO, capture_output=True, text=True, timeout=180)
-    assert ev.returncode == 0, ev.stderr[-3000:]
+    assert eval_main(["--drafter", str(run_dir), "--data", str(dataset), "--num-prompts", "2", "--prompt-len", "32",
+                      "--max-new-tokens", "8", "--num-draft-tokens", "3", "--baselines", "prompt-lookup",
+                      "--output-json", str(report)]) == 0, capsys.readouterr().err[-3000:]
     rep = json.loads(report.read_text())
     assert rep["drafter_kind"] == "eagle3" and rep["block_size"] == 4
     rows = {r["drafter"].split()[0]: r for r in rep["rows"]}
@@ -174,10 +174,9 @@ def test_an_interrupted_eagle3_run_resumes_exactly_with_its_draft_vocabulary(dat
     assert f"error: --resume: {vocab_file} is missing" in out.stderr, out.stderr[-3000:]
     os.replace(moved, vocab_file)
     # the draft vocabulary's size cannot change on resume
-    out = subprocess.run([sys.executable, "launch.py", "train", "--run-dir", str(run_dir), "--resume",
-                          "--draft-vocab", "1024"], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "--draft-vocab cannot change when resuming (the run trained with 512)" \
-        in out.stderr, out.stderr[-3000:]
+    capsys.readouterr()
+    assert train_main(["--run-dir", str(run_dir), "--resume", "--draft-vocab", "1024"]) == 2
+    assert "--draft-vocab cannot change when resuming (the run trained with 512)" in capsys.readouterr().err
 
     proc = start_launcher(["--run-dir", str(run_dir), "--resume"], log_path=tmp_path / "second.log")
     assert _wait(proc, 240) == 0, (tmp_path / "second.log").read_text()[-3000:]
