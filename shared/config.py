@@ -305,7 +305,8 @@ class ProducerConfig:
                                              filled_at_start=True,
                                              help="target layers whose hidden states are captured, DFlash ids "
                                                   "(id i = output of decoder layer i), e.g. 1,9,17,25,33; none: "
-                                                  "num_target_layers ids spread over the target")
+                                                  "num_target_layers ids spread over the target (eagle3: three, "
+                                                  "low/middle/high, default 1,L/2-1,L-4)")
     num_target_layers: int | None = num(None, ge=1, le=2**16, aliases=("--num-target-layers",),
                                         help="captured layers when target_layer_ids is none; none: 5 spread "
                                              "over 1..L-3, fewer on a target of under 8 layers")
