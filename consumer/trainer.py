@@ -583,7 +583,8 @@ class Trainer:
 
     def load_checkpoint(self, path: str | Path) -> Path:
         """Resume from ``path`` (step, checkpoints or run directory). Checks that the checkpoint's frozen
-        embedding/LM head are bit for bit the target's, restores the state and, on rank 0, drops lines of
+        embedding/LM head are bit for bit the target's (and, for EAGLE-3, that its draft vocabulary is the one
+        the trainer was built with; ``ValueError`` otherwise), restores the state and, on rank 0, drops lines of
         ``metrics.jsonl`` beyond the restored step. Returns the step directory used."""
         step_dir = ckpt.resolve_checkpoint(path)
         if ckpt.drafter_kind(step_dir) != self.kind:
@@ -593,6 +594,11 @@ class Trainer:
         for key, mine in self.model.frozen_state_dict().items():
             if key in tensors and not torch.equal(tensors[key], mine.cpu()):
                 raise ValueError(f"checkpoint {step_dir}: {key} differs from the target's in {self.target_dir}")
+        if self.kind == "eagle3":  # the run's draft vocabulary file and the checkpoint's must agree
+            for key in ("d2t", "t2d"):
+                if key in tensors and not torch.equal(tensors[key], getattr(self.model, key).cpu()):
+                    raise ValueError(f"checkpoint {step_dir}: its draft vocabulary ({key}) differs from the one this "
+                                     f"trainer was given (the run's draft_vocab.safetensors)")
         frozen = set(self.model.frozen_state_dict())
         state["model"] = {k: v for k, v in tensors.items() if k not in frozen}
         self.load_state_dict(state)

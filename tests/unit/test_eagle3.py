@@ -228,6 +228,9 @@ def test_the_trainer_trains_checkpoints_and_resumes_an_eagle3_drafter_exactly(tm
         assert torch.allclose(v, c.model.trainable_state_dict()[k], atol=1e-6), k
     loaded = ckpt.load_drafter(path)
     assert isinstance(loaded, Eagle3Drafter) and torch.equal(loaded.d2t, vocab[0])
+    other = Trainer(cfg, dcfg, TARGET, "cpu", tmp_path / "e", draft_vocab=build_draft_vocab(torch.arange(8192), 2000))
+    with pytest.raises(ValueError, match=r"its draft vocabulary \(d2t\) differs"):   # never another vocabulary
+        other.load_checkpoint(path)
     with pytest.raises(ValueError, match="eagle3 drafter"):
         from specring.shared.models.dflash import DFlashConfig
         Trainer(cfg, DFlashConfig.from_target(TARGET, None), TARGET, "cpu", tmp_path / "d").load_checkpoint(path)
