@@ -282,7 +282,8 @@ def test_export_has_the_engines_names_shapes_and_config_and_bad_ones_are_refused
     with pytest.raises(ValueError, match="lacks"):
         check_eagle3_export({k: v for k, v in conf.items() if k != "draft_vocab_size"}, got)
     # read back as served (launch.py eval --drafter EXPORT): the exported weights in bf16, the target's embedding
-    served = ckpt.load_drafter(out)
+    from specring.cli.export import load_exported_as_served
+    served = load_exported_as_served(out)
     assert isinstance(served, Eagle3Drafter) and served.fc.weight.dtype == torch.bfloat16
     assert torch.equal(served.d2t, d2t) and served.config.ttt_steps == 2
     assert torch.equal(served.embed_tokens.weight, model.embed_tokens.weight)
