@@ -117,7 +117,11 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     target, hf_config = load_target(target_dir, device, args.dtype)
     dtype = next(target.parameters()).dtype
     if step_dir is not None:
-        drafter = ckpt.load_drafter(step_dir, device=device, dtype=dtype)
+        if ckpt.is_export(step_dir):   # evaluated as served: in its exported dtype, whatever --dtype says
+            from specring.cli.export import load_exported_as_served
+            drafter = load_exported_as_served(step_dir, device)
+        else:
+            drafter = ckpt.load_drafter(step_dir, device=device, dtype=dtype)
         check_same_head(drafter, target)
         dcfg = drafter.config
     else:

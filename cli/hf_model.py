@@ -35,7 +35,7 @@ from specring.shared.models.dflash import (  # specring:inline
     rope_cos_sin,
 )
 
-INLINED = ("RMSNorm", "rope_cos_sin", "apply_rope", "block_attention", "DFlashAttention", "DFlashMLP",
+INLINED = ("RMSNorm", "rope_cos_sin", "apply_rope", "block_attention", "DFlashAttention", "SwiGLUMLP",
            "DFlashDecoderLayer", "DraftCache")  # what an export's modelling file holds of shared/models/dflash.py
 
 

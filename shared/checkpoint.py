@@ -16,8 +16,8 @@ What is guaranteed:
   file and ``os.replace``. A crash at any moment leaves ``latest`` naming a complete checkpoint (or no
   ``latest`` at all). Left-over temporaries (``.step-*.tmp-*``, ``.latest.tmp-*``) are removed by the next save.
 * ``load_checkpoint`` accepts a step directory, a checkpoints directory (follows ``latest``) or a run
-  directory (follows ``checkpoints/latest``); ``resolve_checkpoint``/``load_drafter`` also accept an export
-  directory (``launch.py export``), whose drafter is then the exported one, in its exported dtype.
+  directory (follows ``checkpoints/latest``); ``resolve_checkpoint`` also accepts an export directory
+  (``launch.py export``), which ``load_drafter`` refuses (``specring.cli.export`` loads exports).
 * Files get the usual modes (``0666 & ~umask``, 0644 under the usual umask), whatever the writer used
   (safetensors writes through a private temporary file, 0600).
 
@@ -225,17 +225,16 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
                  require_head: bool = True) -> DFlashDrafter:
     """Rebuild a drafter (eval mode) from a checkpoint, frozen head included.
 
-    From an export directory (``is_export``): the exported weights in the dtype they were exported in
-    (``dtype`` is ignored, so ``launch.py eval --drafter EXPORT`` measures what is served), with the frozen
-    head of the target recorded in its ``specring_export.json`` (``consumer.export.load_exported``).
+    An export directory (``is_export``) is not a checkpoint: ``specring.cli.export.load_exported_as_served``
+    loads it (``launch.py eval`` does so for it).
 
     Raises ``ValueError`` when the checkpoint lacks ``embed_tokens.weight``/``lm_head.weight`` and
     ``require_head`` is true (export and evaluation must never run with a head that is not the target's),
     or when trainable weights are missing or unexpected.
     """
     if is_export(resolve_checkpoint(path)):
-        from specring.cli.export import load_exported_as_served
-        return load_exported_as_served(resolve_checkpoint(path), device)
+        raise ValueError(f"{resolve_checkpoint(path)} is an export, not a checkpoint: load it with "
+                         "specring.cli.export.load_exported_as_served")
     tensors, _, config = load_checkpoint(path)
     if drafter_kind(path) == "eagle3":
         from specring.shared.models.eagle3 import Eagle3Config, Eagle3Drafter

@@ -274,14 +274,15 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out[0].transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim))
 
 
-class DFlashMLP(nn.Module):
-    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``."""
+class SwiGLUMLP(nn.Module):
+    """SwiGLU MLP of the Llama/Qwen decoder layer: ``down(silu(gate(x)) * up(x))``, ``[..., hidden_size]`` in and
+    out, no biases (the DFlash and EAGLE-3 drafters both use it; weight names as transformers' ``mlp.*``)."""
 
-    def __init__(self, cfg: DFlashConfig):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -293,7 +294,7 @@ class DFlashDecoderLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.self_attn = DFlashAttention(cfg)
-        self.mlp = DFlashMLP(cfg)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

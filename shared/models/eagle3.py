@@ -43,7 +43,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from specring.shared.errors import ConfigError
-from specring.shared.models.dflash import RMSNorm, _rope_theta, apply_rope, read_target_head, rope_cos_sin
+from specring.shared.models.dflash import (
+    RMSNorm,
+    SwiGLUMLP,
+    _rope_theta,
+    apply_rope,
+    read_target_head,
+    rope_cos_sin,
+)
 from specring.shared.models.target_config import read_target_config, text_config
 
 DEFAULT_DRAFT_VOCAB = 32000
@@ -236,19 +243,6 @@ class Eagle3Attention(nn.Module):
         return self.o_proj(attn.transpose(0, 1).reshape(attn.shape[1], self.num_heads * self.head_dim))
 
 
-class Eagle3MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3Layer(nn.Module):
     """The one decoder layer (``midlayer``); see the module docstring for what it computes."""
 
@@ -258,7 +252,7 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Eagle3Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = Eagle3MLP(cfg)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def qkv(self, emb: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries, keys, values of positions with token embeddings ``emb [T, H]`` and hidden ``h [T, H]``."""

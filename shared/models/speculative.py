@@ -64,7 +64,27 @@ logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------- proposers
-class DFlashProposer:
+class FeatureProposer:
+    """What the drafters' proposers share: the drafter's cache of verified context, and the verified context
+    (target features and positions) queued until the next ``propose`` feeds it to the drafter."""
+
+    needs_features = True
+    cache = None
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Forget the previous prompt's cache and queued context."""
+        self.cache = None
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add_context(self, features: torch.Tensor | None, positions: torch.Tensor) -> None:
+        """Queue verified context: ``features [C, F]`` (the drafter's target features: DFlash ``n*H``, EAGLE-3
+        ``3*H``) of the tokens at ``positions [C] long``. Raises ``ValueError`` when ``features`` is None."""
+        if features is None:
+            raise ValueError(f"{type(self).__name__}.add_context: the drafter needs target features (got None)")
+        self._pending.append((features, positions))
+
+
+class DFlashProposer(FeatureProposer):
     """Proposer over a ``DFlashDrafter``: keeps its ``DraftCache`` and the context not yet fed to it.
 
     ``block_size`` (default: the drafter's) bounds the tokens drafted per step to ``block_size - 1``.
@@ -80,15 +100,6 @@ class DFlashProposer:
         self.cache: DraftCache | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def reset(self, prompt_ids: list[int]) -> None:
-        self.cache = None
-        self._pending = []
-
-    def add_context(self, features: torch.Tensor | None, positions: torch.Tensor) -> None:
-        """Queue verified context: ``features [C, n*H]`` of the tokens at ``positions [C] long``."""
-        if features is None:
-            raise ValueError("DFlashProposer.add_context: the drafter needs target features (got None)")
-        self._pending.append((features, positions))
 
     @torch.no_grad()
     def propose(self, tokens: list[int], k: int) -> list[int]:
@@ -109,7 +120,7 @@ class DFlashProposer:
         return logits[1:].argmax(dim=-1).tolist()
 
 
-class Eagle3Proposer:
+class Eagle3Proposer(FeatureProposer):
     """Proposer over an ``Eagle3Drafter``: chain drafting (``eagle3_extend`` over the newly verified context, then
     ``eagle3_chain``), keeping the step-0 cache of the verified context between verify steps.
 
@@ -127,15 +138,6 @@ class Eagle3Proposer:
         self.cache = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def reset(self, prompt_ids: list[int]) -> None:
-        self.cache = None
-        self._pending = []
-
-    def add_context(self, features: torch.Tensor | None, positions: torch.Tensor) -> None:
-        """Queue verified context: ``features [C, 3*Ht]`` of the tokens at ``positions [C] long``."""
-        if features is None:
-            raise ValueError("Eagle3Proposer.add_context: the drafter needs target features (got None)")
-        self._pending.append((features, positions))
 
     @torch.no_grad()
     def propose(self, tokens: list[int], k: int) -> list[int]:

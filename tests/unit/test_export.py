@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from specring.cli.export import (
     export_drafter,
     load_exported,
+    load_exported_as_served,
     main,
     reference_weight_names,
 )
@@ -249,7 +250,9 @@ def test_automodel_loads_the_export_as_our_class_with_the_drafters_logits(tmp_pa
     assert got["dtype"] == f"torch.{exported}"
     assert got["logits_equal"], got
     assert got["lossless"], got
-    evaluated = ckpt.load_drafter(out)                    # what `launch.py eval --drafter EXPORT` measures
+    with pytest.raises(ValueError, match="is an export, not a checkpoint"):
+        ckpt.load_drafter(out)
+    evaluated = load_exported_as_served(out)              # what `launch.py eval --drafter EXPORT` measures
     assert evaluated.fc.weight.dtype == served.fc.weight.dtype
     assert torch.equal(evaluated.logits(evaluated(ids, pos, ctx.to(served.fc.weight.dtype), cpos, None)).float(), want)
 
