@@ -65,13 +65,13 @@ class ProducerStage:
         """Create the stage's ring (two slots, sized for the largest of ``batches``) and its producer."""
         t = self.cfg.trainer
         probe = Producer(self.model, self.layer_ids, ring=None, generation=1, device=self.device,
-                         label_source=t.label_source, topk=t.distill_topk)
+                         label_source=t.label_source, topk=t.resolved_distill_topk())
         need = max(probe.payload_bytes(int(b["lengths"].sum()), len(b["lengths"])) for b in batches)
         self.ring = ring.Ring.create(ring.segment_name(ring.new_run_id(), "bench"), num_slots=2, slot_bytes=need)
         if self.device.type == "cuda":
             self.ring.pin()
         self.producer = Producer(self.model, self.layer_ids, self.ring, 1, self.device, label_source=t.label_source,
-                                 topk=t.distill_topk)
+                                 topk=t.resolved_distill_topk())
         self.seq = 0
 
     def run(self, batches: list[dict], keep: bool = False) -> tuple[float, list[dict]]:

@@ -1,7 +1,9 @@
 """``launch.py eval``: τ of a checkpoint or export beside the baselines, by real speculative decoding.
 
 The table rows: plain greedy decoding (the reference, and the lossless check), the drafter, and the
-baselines (an untrained drafter, prompt lookup), on held-out prompts; see docs/evaluation.md for the
+baselines (an untrained drafter, prompt lookup), on held-out prompts. A DFlash drafter drafts blocks of
+``--block-size - 1``; an EAGLE-3 drafter drafts a chain of ``--num-draft-tokens`` one by one (``Eagle3Proposer``),
+and every row then verifies blocks of ``--num-draft-tokens + 1``; see docs/evaluation.md for the
 standard setting and ``specring.shared.models.speculative`` for what is counted.
 """
 
@@ -17,9 +19,11 @@ from typing import Any
 import torch
 
 from specring.shared.models.dflash import DFlashConfig
+from specring.shared.models.eagle3 import Eagle3Drafter, build_eagle3
 from specring.shared.models.ngram import PromptLookupProposer
 from specring.shared.models.speculative import (
     DFlashProposer,
+    Eagle3Proposer,
     check_same_head,
     greedy_generate,
     load_prompts,
@@ -41,6 +45,17 @@ def target_of_checkpoint(step_dir: str | Path) -> Path | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return Path(target) if target else None
+
+
+def untrained_eagle3(trained: Eagle3Drafter, target_dir: str | Path, device, dtype: torch.dtype,
+                     seed: int = 0) -> Eagle3Drafter:
+    """The baseline of an EAGLE-3 drafter: its shape and draft vocabulary, the target's embedding and head rows
+    (``Eagle3Drafter.load_target_head``), every other weight at its seeded initialisation (the global RNG is
+    left alone)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_eagle3(trained.config, target_dir, trained.d2t.cpu(), trained.t2d.cpu())
+    return model.to(device=device, dtype=dtype).eval()
 
 
 # ---------------------------------------------------------------------------------------------- command line
@@ -76,7 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-len", type=int, default=256, help="prompt = first N tokens of a sample")
     g = p.add_argument_group("decoding")
     g.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
-    g.add_argument("--block-size", type=int, help="verify block size B (default: the drafter's, else 16)")
+    g.add_argument("--block-size", type=int, help="verify block size B (default: the drafter's, else 16); an "
+                                                  "EAGLE-3 drafter drafts B-1 tokens (see --num-draft-tokens)")
+    g.add_argument("--num-draft-tokens", type=int,
+                   help="EAGLE-3: tokens drafted one by one per verify step (chain drafting; the verify block is "
+                        "K+1, also for the baselines); default: the drafter's TTT steps")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS token")
     g.add_argument("--no-lossless-check", action="store_true", help="skip the greedy reference decode")
     b = p.add_argument_group("baselines")
@@ -130,18 +149,32 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     else:
         drafter = None
         dcfg = DFlashConfig.from_target(target_dir, None, block_size=args.block_size or 16, trust_remote_code=trust)
-    bsz = int(args.block_size or dcfg.block_size)
+    eagle3 = isinstance(drafter, Eagle3Drafter)
+    if args.num_draft_tokens is not None and not eagle3:
+        raise ConfigError("--num-draft-tokens: only for an EAGLE-3 drafter (a DFlash drafter drafts --block-size - 1)")
+    if eagle3:
+        k = args.num_draft_tokens if args.num_draft_tokens is not None else (
+            args.block_size - 1 if args.block_size else dcfg.ttt_steps)
+        if k < 1:
+            raise ConfigError(f"--num-draft-tokens: must be >= 1, got {k}")
+        bsz = int(k) + 1
+    else:
+        bsz = int(args.block_size or dcfg.block_size)
     if bsz < 2:
         raise ConfigError(f"--block-size: must be >= 2, got {bsz}")
     rows_spec: list[tuple[str, Any]] = []
     if drafter is not None:
-        rows_spec.append((f"dflash {step_dir.name}", DFlashProposer(drafter, bsz)))
+        rows_spec.append((f"eagle3 {step_dir.name} (chain k={bsz - 1})", Eagle3Proposer(drafter, bsz - 1)) if eagle3
+                         else (f"dflash {step_dir.name}", DFlashProposer(drafter, bsz)))
     baselines = {b.strip() for b in args.baselines.split(",") if b.strip()}
     if baselines - {"untrained", "prompt-lookup"}:
         raise ConfigError(f"--baselines: unknown {sorted(baselines - {'untrained', 'prompt-lookup'})} "
                           "(known: untrained, prompt-lookup)")
     if not args.no_baselines or drafter is None:
-        if "untrained" in baselines:
+        if "untrained" in baselines and eagle3:
+            rows_spec.append(("eagle3 untrained", Eagle3Proposer(untrained_eagle3(drafter, target_dir, device, dtype,
+                                                                                  args.seed), bsz - 1)))
+        elif "untrained" in baselines:
             rows_spec.append(("dflash untrained", DFlashProposer(untrained_drafter(dcfg, target_dir, device, dtype,
                                                                                    args.seed), bsz)))
         if "prompt-lookup" in baselines:
@@ -171,7 +204,8 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
                 row["speedup"] = row["tokens_per_s"] / greedy_rate if greedy_rate and row["tokens_per_s"] else None
             rows.append(row)
             logger.info("eval dataset=%s drafter=%r tau_mean=%s", path.stem, name, row["tau_mean"])
-    return {"target": str(target_dir), "drafter": str(step_dir) if step_dir else None, "device": device,
+    return {"target": str(target_dir), "drafter": str(step_dir) if step_dir else None,
+            "drafter_kind": "eagle3" if eagle3 else ("dflash" if drafter is not None else None), "device": device,
             "dtype": str(dtype).replace("torch.", ""), "block_size": bsz, "num_prompts": args.num_prompts,
             "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "stop_token_ids": stop,
             "target_layer_ids": dcfg.target_layer_ids, "rows": rows}

@@ -305,6 +305,9 @@ def load_exported_as_served(export_dir: str | Path, device: str | torch.device =
     when that target is not recorded or does not exist (then use ``load_exported`` with a target)."""
     export_dir = Path(export_dir)
     cfg = json.loads((export_dir / CONFIG_FILE).read_text())
+    if cfg.get("architectures") == ["LlamaForCausalLMEagle3"]:
+        from specring.cli.export_eagle3 import load_eagle3_export
+        return load_eagle3_export(export_dir, device)
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
     try:
         target = Path(json.loads((export_dir / PROVENANCE_FILE).read_text())["target"])
@@ -346,6 +349,38 @@ def load_exported(export_dir: str | Path, target_dir: str | Path, device: str | 
     return model.to(device).eval()
 
 
+def _export_eagle3_main(args: argparse.Namespace, step_dir: Path) -> int:
+    """``launch.py export`` of an EAGLE-3 checkpoint (``cli.export_eagle3``): the same flags; ``--dtype auto``
+    is the target's dtype (else bfloat16). Raises what ``export_eagle3`` raises, and ``FileExistsError`` for a
+    non-empty ``--output`` without ``--overwrite``."""
+    from specring.cli.eval import target_of_checkpoint
+    from specring.cli.export_eagle3 import export_eagle3
+    from specring.shared.config import DEFAULT_TARGET
+
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise FileExistsError(f"--output: {out} exists and is not empty (pass --overwrite)")
+    dtype = args.dtype
+    if dtype == "auto":
+        from specring.shared.hub import resolve_model_dir
+        target = resolve_model_dir(args.target or target_of_checkpoint(step_dir) or DEFAULT_TARGET, "--target")
+        raw, _ = _target_config(target)
+        dtype = str(_text_config(raw).get("dtype") or raw.get("torch_dtype") or "bfloat16")
+        dtype = dtype if dtype in DTYPES else "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    out = export_eagle3(step_dir, out, dtype)
+    cfg = json.loads((out / CONFIG_FILE).read_text())
+    print(f"exported {out}: EAGLE-3 ({cfg['architectures'][0]}), draft vocabulary {cfg['draft_vocab_size']} of "
+          f"{cfg['vocab_size']}, target layers {cfg['eagle_config']['eagle_aux_hidden_state_layer_ids']}, "
+          f"dtype {cfg['torch_dtype']}")
+    print(f"serve (SGLang): --speculative-algorithm EAGLE3 --speculative-draft-model-path {out} "
+          f"--speculative-eagle-topk 1 --speculative-num-steps K --speculative-num-draft-tokens K+1")
+    print(f"serve (vLLM): --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\", "
+          f"\"num_speculative_tokens\": K}}'")
+    return 0
+
+
 HELP_EXAMPLES = """\
 examples:
   launch.py export --drafter runs/latest --output exported/
@@ -358,8 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="launch.py export", formatter_class=CommandHelpFormatter, epilog=HELP_EXAMPLES,
                                 description=(
-        "Write a drafter checkpoint as a DFlashDraftModel directory (config.json + model.safetensors) that "
-        "the SGLang and vLLM DFlash loaders accept."))
+        "Write a drafter checkpoint in the format the serving engines load: a DFlash checkpoint as a "
+        "DFlashDraftModel directory (config.json + model.safetensors) that the SGLang and vLLM DFlash loaders "
+        "accept; an EAGLE-3 checkpoint as a LlamaForCausalLMEagle3 directory (with d2t/t2d) that their EAGLE-3 "
+        "loaders accept."))
     c = p.add_argument_group("checkpoint and target")
     c.add_argument("--drafter", required=True, help="checkpoint step directory or run directory (latest checkpoint)")
     c.add_argument("--target", metavar="DIR|ORG/NAME",
@@ -381,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging("export")
     try:
+        step_dir = ckpt.resolve_checkpoint(args.drafter)
+        if not ckpt.is_export(step_dir) and ckpt.drafter_kind(step_dir) == "eagle3":
+            return _export_eagle3_main(args, step_dir)
         out = export_drafter(args.drafter, args.output, args.target, args.dtype, args.overwrite,
                              args.trust_remote_code)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:

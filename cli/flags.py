@@ -63,6 +63,7 @@ examples:
       --consumers cuda:3,cuda:4,cuda:5,cuda:6,cuda:7 --target-layers 1,9,17,25,33 --run-dir runs/q8
   launch.py train --target org/custom-model --trust-remote-code ...   a target with its own modelling code
   launch.py train --report-to tensorboard,wandb     trackers (wandb offline without WANDB_API_KEY)
+  launch.py train --drafter eagle3 --draft-vocab 32000 --ttt-steps 7   an EAGLE-3 drafter (three target layers)
   launch.py train --config run.toml --lr 3e-4       the file, with one value overridden
   launch.py train --trainer.grad-clip 0.5 --monitor.backoff-max-s 30 --data.bucket-edges 64,256,1024
   launch.py train --resume --max-steps 2000         continue runs/latest for longer

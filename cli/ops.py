@@ -57,6 +57,10 @@ def status_main(argv: list[str]) -> int:
         print(json.dumps(d, indent=1))
         return 0
     print(f"run {d['run_id']}  step {d['step']}  trained {d['trained']}/{d['planned']} batches  loss {_fmt(d['loss'])}")
+    for key, what, first in (("per_step_acc", "TTT step", 0), ("per_slot_acc", "block slot", 1)):
+        if d.get(key):  # the accuracy of the last optimizer step in metrics.jsonl, per draft position
+            accs = "  ".join(f"{i + first}:{_num(a, '.3f')}" for i, a in enumerate(d[key]))
+            print(f"{d.get('drafter', 'drafter')} accuracy per {what} (step {d.get('acc_step')}): {accs}")
     print(f"{'process':<12}{'pid':>8}{'gen':>5} {'state':<9}{'hb_age':>7}{'tok/s':>10}{'cpu%':>7}{'rss_MiB':>9}"
           f"{'gpu_MiB':>9}{'restarts':>9}  {'ring F/W/R/r':<13} busy with")
     for r in d["rows"]:

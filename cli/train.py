@@ -63,6 +63,16 @@ def train_main(argv: list[str]) -> int:
             return 0
     from specring.shared.logs import configure_logging
     configure_logging("supervisor", log_file=Path(cfg.run_dir, "logs", "supervisor.log"))
+    try:  # EAGLE-3: the draft vocabulary, built once from the data (read back, never rebuilt, on --resume)
+        from specring.supervisor.resume import prepare_draft_vocab
+        if prepare_draft_vocab(cfg, plan) == "built":
+            print(f"draft vocabulary: {plan.draft_vocab_size} of the target's {plan.vocab_size} tokens, the most "
+                  f"frequent loss-carrying ones of {cfg.data.data} -> {Path(cfg.run_dir) / 'draft_vocab.safetensors'}",
+                  file=sys.stderr)
+    except ConfigError as e:
+        lock.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from specring.supervisor.supervisor import Supervisor

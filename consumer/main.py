@@ -1,7 +1,8 @@
 """The consumer process: ``python -m consumer.main --run-dir R --index I --generation G``.
 
 Receives ``SlotReady`` (routed by the coordinator), copies the slot's tensors to its device, releases the
-slot, and trains the DFlash drafter (``consumer.trainer.Trainer``). Consumer ``I`` is rank ``I`` of a
+slot, and trains the drafter (``consumer.trainer.Trainer``: DFlash, or EAGLE-3 with the run's draft vocabulary
+from ``RUN_DIR/draft_vocab.safetensors``). Consumer ``I`` is rank ``I`` of a
 ``torch.distributed`` group (gloo on CPU, NCCL on GPU) of all consumers.
 
 Slot safety (DESIGN.md, "The slot protocol"): the slot header is checked against the message (batch id,
@@ -93,7 +94,7 @@ def _init_distributed(ctx: ChildContext, device: torch.device):
 
 
 def body(ctx: ChildContext) -> None:
-    from specring.consumer.trainer import Trainer, dflash_config_from_run
+    from specring.consumer.trainer import Trainer, drafter_config_from_run
     from specring.shared.checkpoint import latest_checkpoint
 
     cfg = ctx.config
@@ -107,11 +108,15 @@ def body(ctx: ChildContext) -> None:
             for r in rings:
                 r.pin()
         rank, world, group = _init_distributed(ctx, device)
-        dcfg = dflash_config_from_run(cfg)
-        # CPU: small groups (per sequence) so no work is spent on other sequences' masked context
+        dcfg = drafter_config_from_run(cfg)
+        extra = {}
+        if cfg.trainer.drafter == "eagle3":  # the run's draft vocabulary, written once by the supervisor
+            from specring.shared.draft_vocab import read_draft_vocab
+            extra["draft_vocab"] = read_draft_vocab(ctx.run_dir, dcfg.draft_vocab_size, dcfg.vocab_size)
+        elif device.type != "cuda":  # CPU: small groups (per sequence) so no work is spent on other sequences' context
+            extra["max_mask_elems"] = 2 ** 20
         trainer = Trainer(cfg.trainer, dcfg, cfg.producer.target, device, ctx.run_dir, rank=rank,
-                          world_size=world, process_group=group,
-                          **({} if device.type == "cuda" else {"max_mask_elems": 2 ** 20}))
+                          world_size=world, process_group=group, **extra)
         if cfg.resume:
             path = latest_checkpoint(os.path.join(ctx.run_dir, "checkpoints"))
             if path is not None:

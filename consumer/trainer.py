@@ -84,6 +84,19 @@ def dflash_config_from_run(run: RunConfig) -> DFlashConfig:
                                     trust_remote_code=p.trust_remote_code)
 
 
+def eagle3_config_from_run(run: RunConfig) -> Eagle3Config:
+    """The EAGLE-3 drafter config of a run: target and its three captured layers from ``run.producer``, draft
+    vocabulary size (capped at the target's vocabulary) and TTT steps from ``run.trainer``."""
+    p, t = run.producer, run.trainer
+    return Eagle3Config.from_target(p.target, p.target_layer_ids, draft_vocab_size=t.draft_vocab,
+                                    ttt_steps=t.ttt_steps)
+
+
+def drafter_config_from_run(run: RunConfig) -> DFlashConfig | Eagle3Config:
+    """``eagle3_config_from_run`` or ``dflash_config_from_run``, as ``run.trainer.drafter`` says."""
+    return eagle3_config_from_run(run) if run.trainer.drafter == "eagle3" else dflash_config_from_run(run)
+
+
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """Linear warm-up over ``warmup_steps`` (from ``1/warmup``), then cosine from 1 to ``min_lr_ratio``
     at ``total_steps``; constant ``min_lr_ratio`` after it."""
@@ -313,8 +326,8 @@ class Trainer:
         A compiler failure (a toolchain the machine lacks, a torch without the needed support) is logged as an
         error naming the form given up, and the trainer falls back: compiled layers -> eager layers, then flex
         -> dense attention; the weights are the same either way, only the speed differs."""
-        if self.attention != "flex" and not self.compiled:
-            return 0.0
+        if (self.kind == "eagle3" or self.attention != "flex") and not self.compiled:
+            return 0.0  # EAGLE-3 never uses flex attention: only compiled layers need warming up
         t0 = time.perf_counter()
         try:
             self._warm_up_once()
@@ -322,7 +335,7 @@ class Trainer:
             if self.compiled:
                 logger.error("compile_failed form=compiled_layers fallback=eager_layers error=%s: %s",
                              type(e).__name__, str(e)[:500])
-                for layer in self.model.layers:
+                for layer in (self.model.layers if self.kind == "dflash" else [self.model.midlayer]):
                     layer._compiled_call_impl = None  # undo nn.Module.compile()
                 self.compiled = False
             else:
@@ -334,8 +347,10 @@ class Trainer:
 
     def _warm_up_once(self) -> None:
         n = 2 * self.cfg.block_size + 2
-        batch = {"hidden": torch.zeros(2 * n, self.dcfg.num_target_layers * self.dcfg.hidden_size, device=self.device),
-                 "input_ids": torch.full((2 * n,), self.dcfg.mask_token_id, dtype=torch.int32, device=self.device),
+        width = self.dcfg.num_target_layers * getattr(self.dcfg, "target_hidden_size", self.dcfg.hidden_size)
+        token = self.dcfg.mask_token_id if self.kind == "dflash" else 0
+        batch = {"hidden": torch.zeros(2 * n, width, device=self.device),
+                 "input_ids": torch.full((2 * n,), token, dtype=torch.int32, device=self.device),
                  "loss_mask": torch.ones(2 * n, dtype=torch.uint8, device=self.device),
                  "cu_seqlens": torch.tensor([0, n, 2 * n], dtype=torch.int32)}
         if self.cfg.label_source == "target":
@@ -380,7 +395,8 @@ class Trainer:
         Every ``grad_accum``-th call takes the optimizer step (all ranks must call ``step`` the same
         number of times) and returns the window's group-wide metrics with ``optimizer_step=True`` and
         ``batch_ids`` = every rank's ids of the window. Other calls return this micro-batch's local
-        metrics with ``optimizer_step=False``. Keys: ``step``, ``loss``, ``per_slot_acc`` (slots 1..B-1),
+        metrics with ``optimizer_step=False``. Keys: ``step``, ``loss``, ``per_slot_acc`` (DFlash: slots 1..B-1;
+        EAGLE-3: ``per_step_acc``, TTT steps 0..K-1),
         ``accept_proxy``, ``num_tokens``, ``tokens_per_s``, ``skipped``, ``optimizer_step``, ``batch_ids``,
         ``lr``, ``grad_norm``, ``num_blocks``, ``time``. Raises ``BadBatch`` for a malformed batch and
         after ``max_nonfinite_in_row`` non-finite windows in a row.
@@ -557,7 +573,8 @@ class Trainer:
 
     def load_checkpoint(self, path: str | Path) -> Path:
         """Resume from ``path`` (step, checkpoints or run directory). Checks that the checkpoint's frozen
-        embedding/LM head are bit for bit the target's, restores the state and, on rank 0, drops lines of
+        embedding/LM head are bit for bit the target's (and, for EAGLE-3, that its draft vocabulary is the one
+        the trainer was built with; ``ValueError`` otherwise), restores the state and, on rank 0, drops lines of
         ``metrics.jsonl`` beyond the restored step. Returns the step directory used."""
         step_dir = ckpt.resolve_checkpoint(path)
         if ckpt.drafter_kind(step_dir) != self.kind:
@@ -567,6 +584,11 @@ class Trainer:
         for key, mine in self.model.frozen_state_dict().items():
             if key in tensors and not torch.equal(tensors[key], mine.cpu()):
                 raise ValueError(f"checkpoint {step_dir}: {key} differs from the target's in {self.target_dir}")
+        if self.kind == "eagle3":  # the run's draft vocabulary file and the checkpoint's must agree
+            for key in ("d2t", "t2d"):
+                if key in tensors and not torch.equal(tensors[key], getattr(self.model, key).cpu()):
+                    raise ValueError(f"checkpoint {step_dir}: its draft vocabulary ({key}) differs from the one this "
+                                     f"trainer was given (the run's draft_vocab.safetensors)")
         frozen = set(self.model.frozen_state_dict())
         state["model"] = {k: v for k, v in tensors.items() if k not in frozen}
         self.load_state_dict(state)

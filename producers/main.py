@@ -175,7 +175,8 @@ def body(ctx: ChildContext) -> None:
             pass
         producer = Producer.from_config(cfg.producer, ctx.index, ring, ctx.generation,
                                         checksum=cfg.ring.checksum, slow_write_s=slow_write_s,
-                                        label_source=cfg.trainer.label_source, topk=cfg.trainer.distill_topk)
+                                        label_source=cfg.trainer.label_source,
+                                        topk=cfg.trainer.resolved_distill_topk())
         pad_id = pick_pad_id(ds, producer.hf_config)
         helpers = faults.start_helpers()  # tests only: processes the target code started and never stops
         forward_faults = faults.ForwardFaults(ctx.index, ctx.generation)

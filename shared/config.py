@@ -34,6 +34,8 @@ from specring.shared.paths import DEFAULT_TARGET
 
 LABEL_SOURCES = ("target", "data")
 REPORT_BACKENDS = ("tensorboard", "wandb", "mlflow")   # --report-to (supervisor/reporting.py writes them)
+DRAFTERS = ("dflash", "eagle3")
+DEFAULT_EAGLE3_TOPK = 32             # top-K of the target's distribution an EAGLE-3 run learns by default
 
 
 MAX_SECONDS = 10**6                  # ~11.6 days: the longest duration any timeout or interval may ask for
@@ -312,7 +314,8 @@ class ProducerConfig:
                                              filled_at_start=True,
                                              help="target layers whose hidden states are captured, DFlash ids "
                                                   "(id i = output of decoder layer i), e.g. 1,9,17,25,33; none: "
-                                                  "num_target_layers ids spread over the target")
+                                                  "num_target_layers ids spread over the target (eagle3: three, "
+                                                  "low/middle/high, default 1,L/2-1,L-4)")
     num_target_layers: int | None = num(None, ge=1, le=2**16, aliases=("--num-target-layers",),
                                         help="captured layers when target_layer_ids is none; none: 5 spread "
                                              "over 1..L-3, fewer on a target of under 8 layers")
@@ -333,12 +336,24 @@ class ProducerConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    """DFlash drafter and its optimisation (see ``shared/models/dflash.py`` and ``consumer/trainer.py``)."""
+    """The drafter (DFlash or EAGLE-3) and its optimisation (see ``shared/models/dflash.py``,
+    ``shared/models/eagle3.py`` and ``consumer/trainer.py``)."""
     GROUP: ClassVar[str] = "drafter & training"
     devices: list[str] = setting(["cpu"], aliases=("--consumers",), group="topology",
                                  machine_default=lambda: default_devices()[1],
                                  default_text="cpu; with GPUs cuda:0 (1 GPU), cuda:1 (2), cuda:2 (3+)",
                                  help="one consumer (a drafter trainer, one data-parallel rank) per device")
+    drafter: str = setting("dflash", aliases=("--drafter",), choices=DRAFTERS,
+                           help="drafter family: dflash (block drafter, shared/models/dflash.py) or eagle3 (one "
+                                "layer over three fused target layers, trained by training-time test, "
+                                "shared/models/eagle3.py)")
+    draft_vocab: int = num(32000, ge=1, le=2**24, aliases=("--draft-vocab",),
+                           help="eagle3: draft vocabulary size, the most frequent loss-carrying target tokens of "
+                                "the training data (capped at the target's vocabulary); built once per run into "
+                                "RUN_DIR/draft_vocab.safetensors")
+    ttt_steps: int = num(7, ge=1, le=64, aliases=("--ttt-steps",),
+                         help="eagle3: training-time test steps, the drafter unrolled on its own states (loss "
+                              "weight 0.8**k at step k)")
     block_size: int = num(16, ge=2, le=1024, aliases=("--block-size",),
                           help="DFlash block size B: tokens the drafter proposes at once, the anchor's included")
     num_anchors: int = num(512, ge=1, le=2**20, aliases=("--num-anchors",), cpu_default=32,
@@ -354,9 +369,12 @@ class TrainerConfig:
     label_source: str = setting("target", aliases=("--label-source",), choices=LABEL_SOURCES,
                                 help="what the drafter learns: target (the target's own greedy next tokens, "
                                      "computed by the producers) or data (the corpus's next tokens)")
-    distill_topk: int = num(0, ge=0, le=1024, aliases=("--distill-topk",),
-                            help="with label source target: the producers also send the target's top-K "
-                                 "log-probabilities and the KL divergence to them joins the loss; 0: off")
+    distill_topk: int | None = num(None, ge=0, le=1024, aliases=("--distill-topk",), filled_at_start=True,
+                                   default_text=f"none: 0 (off) for dflash, {DEFAULT_EAGLE3_TOPK} for eagle3",
+                                   help="with label source target: the producers also send the target's top-K "
+                                        "log-probabilities; DFlash adds the KL divergence to them to its loss, "
+                                        "EAGLE-3 learns that distribution restricted to the draft vocabulary; "
+                                        "0: off (EAGLE-3 then learns the target's greedy tokens)")
     distill_weight: float = num(1.0, ge=0, le=1e6, help="weight of that KL divergence in the loss")
     compile: bool | None = setting(None, help="torch.compile the draft layers; none: on CUDA")
     attention: str = setting("auto", choices=("auto", "flex", "dense", "structured"),
@@ -394,8 +412,18 @@ class TrainerConfig:
     def __post_init__(self):
         check_fields(self)
         _require(len(self.devices) >= 1, "devices", "at least one consumer device is needed")
-        _require(self.distill_topk == 0 or self.label_source == "target", "distill_topk",
+        _require(self.drafter != "eagle3" or self.label_source == "target", "label_source",
+                 "drafter eagle3 learns the target's distribution, which the producers compute only with "
+                 "label_source=target")
+        _require(not self.distill_topk or self.label_source == "target", "distill_topk",
                  "needs label_source=target (the producer computes the target's distribution only then)")
+
+    def resolved_distill_topk(self) -> int:
+        """``distill_topk``, its none resolved: 0 (off) for DFlash, ``DEFAULT_EAGLE3_TOPK`` for EAGLE-3 (the
+        run plan fills the field with it, so the saved configuration holds the number)."""
+        if self.distill_topk is not None:
+            return int(self.distill_topk)
+        return DEFAULT_EAGLE3_TOPK if self.drafter == "eagle3" else 0
 
     def resolved_gamma(self) -> float:
         """The loss-decay γ for this block size (DFlash paper defaults: 7 / 5 / 4 for B = 16 / 10 / 8)."""

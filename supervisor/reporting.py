@@ -173,6 +173,28 @@ class JsonlTail:
         return out
 
 
+def last_metrics(run_dir: str | Path, tail_bytes: int = 1 << 16) -> dict:
+    """The last complete record of ``RUN_DIR/metrics.jsonl`` (``{}`` when there is none yet), read from the
+    file's last ``tail_bytes`` only."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - tail_bytes))
+            data = f.read()
+    except OSError:
+        return {}
+    for line in reversed(data[:data.rfind(b"\n") + 1].splitlines()):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            return rec
+    return {}
+
+
 def train_metrics(m: dict) -> dict[str, float]:
     """The tracked figures of one ``metrics.jsonl`` record (``train/...``), finite numbers only."""
     out = {f"train/{k}": m[k] for k in ("loss", "accept_proxy", "lr", "grad_norm", "tokens_per_s")

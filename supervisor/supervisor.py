@@ -66,7 +66,7 @@ from specring.supervisor.coordinator import Coordinator
 from specring.supervisor.monitor import Child, HealthMonitor
 from specring.supervisor.peers import CommandGate, LogLimiter
 from specring.supervisor.progress import Progress
-from specring.supervisor.reporting import Reporter
+from specring.supervisor.reporting import Reporter, last_metrics
 from specring.supervisor.resume import checkpoint_step_on_disk, read_checkpoint_batches
 from specring.supervisor.runplan import RunPlan
 from specring.supervisor.status import write_status
@@ -297,8 +297,11 @@ class Supervisor:
     def _command(self, peer: bytes, cmd: m.Command) -> None:
         if cmd.action == "status":
             co = self.coordinator
+            last = last_metrics(self.run_dir)
+            acc_key = "per_step_acc" if self.cfg.trainer.drafter == "eagle3" else "per_slot_acc"
             data = {"rows": self.status_rows(), "run_id": self.run_id, "step": self.progress.step,
-                    "trained": len(co.trained), "planned": len(co.order), "loss": co.loss_last}
+                    "trained": len(co.trained), "planned": len(co.order), "loss": co.loss_last,
+                    "drafter": self.cfg.trainer.drafter, acc_key: last.get(acc_key), "acc_step": last.get("step")}
             reply = m.Reply(ok=True, text="", data=data)
         elif cmd.action == "restart" and cmd.role == "producer" and self._child("producer", cmd.index):
             child = self.producers[cmd.index]
