@@ -14,8 +14,10 @@ A slot that fails verification is answered with ``BadBatch`` (the coordinator re
 ``Shutdown`` makes rank 0 write a final checkpoint (all ranks have finished the same steps by then).
 
 Heartbeats come from a thread of their own (``shared.procs.ChildContext``) with ``tokens_per_s``, ``step``,
-``gpu_mem_bytes`` and what the main thread is doing (``work``: ``batch N``, ``checkpoint step N``, ``eval
-step N prompt k/n``) for how long, so a slow step or checkpoint write is not a hang and a stuck one is.
+``tokens`` (target tokens this rank trained), ``gpu_mem_bytes`` and what the main thread is doing (``work``:
+``batch N``, ``checkpoint step N``, ``eval step N prompt k/n``) for how long, so a slow step or checkpoint
+write is not a hang and a stuck one is; and the balance figures ``busy_s``/``window_s``/``idle_tail_s``
+(``shared.balance``: idle = waiting for a delivered slot, i.e. starved).
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
 
     def stats() -> dict:  # called from the heartbeat thread
         now = time.monotonic()
-        out = {"tokens_per_s": tokens / max(1e-9, now - t0), "step": trainer.step_count}
+        out = {"tokens_per_s": tokens / max(1e-9, now - t0), "step": trainer.step_count, "tokens": tokens}
         if reader.device.type == "cuda":
             out["gpu_mem_bytes"] = torch.cuda.memory_allocated(reader.device)
         return out
