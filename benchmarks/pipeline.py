@@ -14,7 +14,8 @@ For a target (``--target``; the fixture by default, or a Qwen3-8B-shaped random 
 ``bound`` = ``min(P * producer, C * consumer)`` when producers and consumers have GPUs of their own, and
 ``1 / (1/producer + 1/consumer)`` when one GPU holds them all (the stages then take turns; CPU processes run on
 cores of their own, so a CPU topology uses the first form); printed:
-``pipeline_efficiency=pipeline/bound`` (goal: >= 0.95 on own GPUs, >= 0.9 on one shared GPU).
+``pipeline_efficiency=pipeline/bound`` (goal: >= 0.95 on own GPUs, >= 0.9 on one shared GPU), and the
+pipeline run's producer duty cycle and consumer starvation (``summary.json`` ``balance``).
 
     python benchmarks/pipeline.py --producers cuda:0 --consumers cuda:1 --batches 40 --steps 200
     python benchmarks/pipeline.py --producers cpu --consumers cpu --batches 4 --steps 8 --max-tokens 1024
@@ -102,6 +103,9 @@ def main(argv=None) -> int:
     print(f"pipeline_tokens_per_s={pipe:,.0f} (launch.py, {summary.get('trained_batches')} batches)")
     print(f"bound_tokens_per_s={bound:,.0f} ({'harmonic: one shared device' if shared else 'min of the sides'})")
     print(f"balance_producers_per_consumer={cons / prod:.2f} (producers that one consumer keeps busy)")
+    bal = summary.get("balance") or {}
+    print(f"pipeline_producer_duty_cycle={bal.get('producer_duty_cycle')} "
+          f"pipeline_consumer_starvation={bal.get('consumer_starvation')} (launch.py run's summary.json)")
     print(f"pipeline_efficiency={pipe / bound:.3f}")
     return 0
 
