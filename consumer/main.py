@@ -95,7 +95,7 @@ def _init_distributed(ctx: ChildContext, device: torch.device):
 
 
 def body(ctx: ChildContext) -> None:
-    from specring.consumer.trainer import Trainer, dflash_config_from_run
+    from specring.consumer.trainer import CPU_MAX_MASK_ELEMS, Trainer, dflash_config_from_run
     from specring.shared.checkpoint import latest_checkpoint
 
     cfg = ctx.config
@@ -113,7 +113,7 @@ def body(ctx: ChildContext) -> None:
         # CPU: small groups (per sequence) so no work is spent on other sequences' masked context
         trainer = Trainer(cfg.trainer, dcfg, cfg.producer.target, device, ctx.run_dir, rank=rank,
                           world_size=world, process_group=group,
-                          **({} if device.type == "cuda" else {"max_mask_elems": 2 ** 20}))
+                          **({} if device.type == "cuda" else {"max_mask_elems": CPU_MAX_MASK_ELEMS}))
         if cfg.resume:
             path = latest_checkpoint(os.path.join(ctx.run_dir, "checkpoints"))
             if path is not None:

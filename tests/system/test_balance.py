@@ -1,5 +1,6 @@
 """System test of the balance figures: a real run whose producer is slowed (``SPECRING_SLOW_WRITE_S``) must
-report a busy producer and a starved consumer, live in ``status.json`` and for the run in ``summary.json``;
+report a busy producer and a starved consumer, live in ``status.json`` and ``launch.py status``, and for the run
+in ``summary.json``;
 ``launch.py train --plan`` then reads the rates back and warns that the consumer would be mostly idle."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ SLOW_WRITE_S = 1.0  # much longer than a batch's forward or training step on the
 def test_a_slowed_producer_is_busy_and_its_consumer_starved(dataset, tmp_path):
     runs = tmp_path / "runs"
     run_dir = runs / "slow"
-    flags = small_flags(dataset, run_dir, 6, producers="cpu", checkpoint_every=100, eval_prompts=0)
+    flags = small_flags(dataset, run_dir, 8, producers="cpu", checkpoint_every=100, eval_prompts=0)
     proc = start_launcher(flags, env={"SPECRING_SLOW_WRITE_S": str(SLOW_WRITE_S)}, log_path=tmp_path / "l.log")
     try:
         rows = wait_for(lambda: [r for r in read_status_rows(run_dir)
@@ -31,6 +32,12 @@ def test_a_slowed_producer_is_busy_and_its_consumer_starved(dataset, tmp_path):
         for r in rows:
             figure = r["duty_cycle"] if r["role"] == "producer" else r["starvation"]
             assert 0.0 <= figure <= 1.0, r
+        out = subprocess.run([sys.executable, "launch.py", "status", "--run-dir", str(run_dir)], cwd=REPO,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert lines[1].startswith("balance: producer duty cycle ") and "%" in lines[1], out.stdout
+        assert "duty" in lines[2] and "starv" in lines[2], out.stdout
         code = proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
@@ -52,7 +59,7 @@ def test_a_slowed_producer_is_busy_and_its_consumer_starved(dataset, tmp_path):
 
     # --plan for a run of the same shape reads these rates back and warns that the consumers would idle
     out = subprocess.run([sys.executable, "launch.py", "train", "--plan",
-                          *small_flags(dataset, runs / "next", 6, producers="cpu", checkpoint_every=100,
+                          *small_flags(dataset, runs / "next", 8, producers="cpu", checkpoint_every=100,
                                        eval_prompts=0)],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
