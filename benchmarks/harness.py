@@ -7,6 +7,7 @@ Used by ``benchmarks/pipeline.py`` (each stage alone against the pipeline) and `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -44,7 +45,14 @@ def plan_batches(data: str | None, max_tokens: int, max_batch_size: int, count: 
 
 
 def run_config(target: str, producers: list[str], consumers: list[str], **trainer) -> RunConfig:
-    """A ``RunConfig`` for the benchmark's topology (the trainer fields given, the rest defaults)."""
+    """A ``RunConfig`` for the benchmark's topology (the trainer fields given, the rest defaults). When every
+    device is CPU, a trainer field not given (or given as None) takes its declared CPU default, as
+    ``launch.py train`` does (e.g. 2 draft layers): the stages alone then train the drafter the run trains."""
+    trainer = {k: v for k, v in trainer.items() if v is not None}
+    if all(torch.device(d).type == "cpu" for d in [*producers, *consumers]):
+        for f in dataclasses.fields(TrainerConfig):
+            if "cpu_default" in f.metadata and f.name not in trainer and f.name != "max_steps":
+                trainer[f.name] = f.metadata["cpu_default"]
     return RunConfig(producer=ProducerConfig(target=target, devices=producers),
                      trainer=TrainerConfig(devices=consumers, **trainer), data=DataConfig())
 
