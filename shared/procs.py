@@ -385,8 +385,9 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
     Parses ``--run-dir/--index/--generation``, sets the title and parent-death signal, installs
     SIGTERM/SIGINT handlers that only set the stop flag, connects the DEALER socket, runs ``body(ctx)``
     inside try/finally, and on an exception sends a fatal ``Error`` to the coordinator before exiting 1; a
-    body that returns is followed by one last ``Heartbeat`` (its final figures). The body calls ``ctx.ready()`` (which sends ``Hello`` and starts the heartbeat thread) once it can take
-    work; the thread is stopped before the socket is closed.
+    body that returns is followed by one last ``Heartbeat`` (its final figures). The body calls
+    ``ctx.ready()`` (which sends ``Hello`` and starts the heartbeat thread) once it can take work; the thread
+    is stopped before the socket is closed.
     """
     ap = argparse.ArgumentParser(description=module_doc)
     ap.add_argument("--run-dir", required=True)
