@@ -472,7 +472,7 @@ class Supervisor:
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
                 self._kill_orphans()  # e.g. a daemon that a live child's helper double-forked
-                self.progress.refresh(co, self.producers, self.tokens_per_s())
+                self.progress.refresh(co, self.producers, self.tokens_per_s(), self._balance(steady=False))
                 write_status(self.run_dir, self.run_id, self.status_rows())
 
     def tokens_per_s(self) -> float:
