@@ -61,13 +61,18 @@ def status_main(argv: list[str]) -> int:
         if d.get(key):  # the accuracy of the last optimizer step in metrics.jsonl, per draft position
             accs = "  ".join(f"{i + first}:{_num(a, '.3f')}" for i, a in enumerate(d[key]))
             print(f"{d.get('drafter', 'drafter')} accuracy per {what} (step {d.get('acc_step')}): {accs}")
-    print(f"{'process':<12}{'pid':>8}{'gen':>5} {'state':<9}{'hb_age':>7}{'tok/s':>10}{'cpu%':>7}{'rss_MiB':>9}"
-          f"{'gpu_MiB':>9}{'restarts':>9}  {'ring F/W/R/r':<13} busy with")
+    b = d.get("balance") or {}
+    print(f"balance: producer duty cycle {_pct(b.get('producer_duty_cycle'))} (working, not waiting for a lease), "
+          f"consumer starvation {_pct(b.get('consumer_starvation'))} (waiting for a batch)")
+    print(f"{'process':<12}{'pid':>8}{'gen':>5} {'state':<9}{'hb_age':>7}{'tok/s':>10}{'duty':>6}{'starv':>6}"
+          f"{'cpu%':>7}{'rss_MiB':>9}{'gpu_MiB':>9}{'restarts':>9}  {'ring F/W/R/r':<13} busy with")
     for r in d["rows"]:
         ring = r.get("ring")
         ring_s = "{FREE}/{WRITING}/{READY}/{READING}".format(**ring) if ring else ""
         print(f"{r['role'] + '-' + str(r['index']):<12}{r['pid'] or '-':>8}{r['generation']:>5} {r['state']:<9}"
               f"{_num(r.get('heartbeat_age_s'), '.1f'):>7}{_num(r.get('tokens_per_s'), ',.0f'):>10}"
+              f"{_pct(r.get('duty_cycle')) if r['role'] == 'producer' else '':>6}"
+              f"{_pct(r.get('starvation')) if r['role'] == 'consumer' else '':>6}"
               f"{_num(r.get('cpu_percent'), '.0f'):>7}{_num(_mib(r.get('rss_bytes')), '.0f'):>9}"
               f"{_num(_mib(r.get('gpu_mem_bytes')), '.0f'):>9}{r['restarts']:>9}  {ring_s:<13} {_work(r)}")
     return 0
@@ -77,6 +82,11 @@ def _work(row: dict) -> str:
     """``batch 17 for 3.2s`` (what the child's main thread is on, from its last heartbeat), ``-`` when idle."""
     what, secs = row.get("work"), row.get("work_s")
     return f"{what} for {secs:.1f}s" if what and isinstance(secs, (int, float)) else "-"
+
+
+def _pct(x, none: str = "-") -> str:
+    """``0.934`` as ``93%``; ``none`` for a missing figure (e.g. the duty cycle of a consumer)."""
+    return none if not isinstance(x, (int, float)) or isinstance(x, bool) else f"{x:.0%}"
 
 
 def _mib(x):

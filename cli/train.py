@@ -1,6 +1,7 @@
 """``launch.py train``: flags and ``--config FILE`` onto the configuration (``specring.cli.flags``, derived
 from the declaration in ``specring.shared.config``), the run resolved (``specring.supervisor.runplan``), then
-printed (``--plan``) or run by the supervisor.
+printed (``--plan``, with the producer:consumer ratio that balances the run's shape, from the rates a previous
+run of the same shape recorded: ``specring.shared.balance``) or run by the supervisor.
 
 Flags given on the command line override the file; everything is validated before any process starts, and
 errors name the flag.
@@ -42,6 +43,9 @@ def train_main(argv: list[str]) -> int:
         record = check_resume_data(cfg, plan)  # a resume onto other data or another plan stops here
         if args.plan:
             print(plan.describe(cfg))
+            from specring.shared.balance import balance_lines
+            from specring.shared.paths import runs_dir
+            print("\n".join(balance_lines(cfg.to_dict(), [runs_dir(), Path(cfg.run_dir).parent])))
             lines = cpu_default_lines(cfg)
             if lines:
                 print("CPU defaults (every device is CPU; a flag or --config value replaces them):")

@@ -15,8 +15,10 @@ A slot that fails verification is answered with ``BadBatch`` (the coordinator re
 ``Shutdown`` makes rank 0 write a final checkpoint (all ranks have finished the same steps by then).
 
 Heartbeats come from a thread of their own (``shared.procs.ChildContext``) with ``tokens_per_s``, ``step``,
-``gpu_mem_bytes`` and what the main thread is doing (``work``: ``batch N``, ``checkpoint step N``, ``eval
-step N prompt k/n``) for how long, so a slow step or checkpoint write is not a hang and a stuck one is.
+``tokens`` (target tokens this rank trained), ``gpu_mem_bytes`` and what the main thread is doing (``work``:
+``batch N``, ``checkpoint step N``, ``eval step N prompt k/n``) for how long, so a slow step or checkpoint
+write is not a hang and a stuck one is; and the balance figures ``busy_s``/``window_s``/``idle_tail_s``
+(``shared.balance``: idle = waiting for a delivered slot, i.e. starved).
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def _init_distributed(ctx: ChildContext, device: torch.device):
 
 
 def body(ctx: ChildContext) -> None:
-    from specring.consumer.trainer import Trainer, drafter_config_from_run
+    from specring.consumer.trainer import CPU_MAX_MASK_ELEMS, Trainer, drafter_config_from_run
     from specring.shared.checkpoint import latest_checkpoint
 
     cfg = ctx.config
@@ -114,7 +116,7 @@ def body(ctx: ChildContext) -> None:
             from specring.shared.draft_vocab import read_draft_vocab
             extra["draft_vocab"] = read_draft_vocab(ctx.run_dir, dcfg.draft_vocab_size, dcfg.vocab_size)
         elif device.type != "cuda":  # CPU: small groups (per sequence) so no work is spent on other sequences' context
-            extra["max_mask_elems"] = 2 ** 20
+            extra["max_mask_elems"] = CPU_MAX_MASK_ELEMS
         trainer = Trainer(cfg.trainer, dcfg, cfg.producer.target, device, ctx.run_dir, rank=rank,
                           world_size=world, process_group=group, **extra)
         if cfg.resume:
@@ -156,7 +158,7 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
 
     def stats() -> dict:  # called from the heartbeat thread
         now = time.monotonic()
-        out = {"tokens_per_s": tokens / max(1e-9, now - t0), "step": trainer.step_count}
+        out = {"tokens_per_s": tokens / max(1e-9, now - t0), "step": trainer.step_count, "tokens": tokens}
         if reader.device.type == "cuda":
             out["gpu_mem_bytes"] = torch.cuda.memory_allocated(reader.device)
         return out

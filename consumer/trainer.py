@@ -72,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 BATCH_KEYS = ("hidden", "input_ids", "loss_mask", "cu_seqlens")
 TARGET_LABEL_KEYS = ("target_ids", "target_topk_ids", "target_topk_logprobs")
+CPU_MAX_MASK_ELEMS = 2 ** 20  # a CPU consumer's max_mask_elems: small groups, no work on other sequences' context
 
 
 def dflash_config_from_run(run: RunConfig) -> DFlashConfig:

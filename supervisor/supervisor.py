@@ -37,6 +37,7 @@ from pathlib import Path
 
 import zmq
 
+from specring.shared.balance import ProcessBalance, run_balance
 from specring.shared.config import RunConfig
 from specring.shared.errors import MessageError
 from specring.shared.procs import (
@@ -107,6 +108,7 @@ class Supervisor:
         self.monitor = HealthMonitor(cfg.monitor)
         self.producers = [Child("producer", i) for i in range(len(cfg.producer.devices))]
         self.consumers = [Child("consumer", i) for i in range(len(cfg.trainer.devices))]
+        self.balance = {(c.role, c.index): ProcessBalance(c.role, c.index) for c in self.producers + self.consumers}
         self.rings: list[Ring] = []
         self.stop_reason = ""
         self.signals = 0
@@ -249,6 +251,7 @@ class Supervisor:
             log.info("hello %s=%d pid=%d generation=%d", role, msg.index, msg.pid, msg.generation)
         elif isinstance(msg, m.Heartbeat):
             self.monitor.on_heartbeat(child, msg.stats)
+            self.balance[(role, child.index)].update(child.generation, msg.stats)
         elif isinstance(msg, m.SlotReady) and role == "producer":
             if co.on_slot_ready(msg):
                 self.monitor.on_progress(child)
@@ -288,6 +291,7 @@ class Supervisor:
                    "state": c.state, "heartbeat_age_s": round(now - c.last_heartbeat, 1) if c.hello else None,
                    "tokens_per_s": c.stats.get("tokens_per_s"), "gpu_mem_bytes": c.stats.get("gpu_mem_bytes"),
                    "restarts": c.restarts, "work": c.stats.get("work"), "work_s": c.stats.get("work_s")}
+            row.update(self.balance[(c.role, c.index)].live())
             row.update(self.monitor.sample(c))
             if c.role == "producer" and self.coordinator:
                 row["ring"] = self.coordinator.occupancy(c.index)
@@ -301,7 +305,8 @@ class Supervisor:
             acc_key = "per_step_acc" if self.cfg.trainer.drafter == "eagle3" else "per_slot_acc"
             data = {"rows": self.status_rows(), "run_id": self.run_id, "step": self.progress.step,
                     "trained": len(co.trained), "planned": len(co.order), "loss": co.loss_last,
-                    "drafter": self.cfg.trainer.drafter, acc_key: last.get(acc_key), "acc_step": last.get("step")}
+                    "drafter": self.cfg.trainer.drafter, acc_key: last.get(acc_key), "acc_step": last.get("step"),
+                    "balance": self._balance(steady=False)}
             reply = m.Reply(ok=True, text="", data=data)
         elif cmd.action == "restart" and cmd.role == "producer" and self._child("producer", cmd.index):
             child = self.producers[cmd.index]
@@ -475,7 +480,7 @@ class Supervisor:
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
                 self._kill_orphans()  # e.g. a daemon that a live child's helper double-forked
-                self.progress.refresh(co, self.producers, self.tokens_per_s())
+                self.progress.refresh(co, self.producers, self.tokens_per_s(), self._balance(steady=False))
                 write_status(self.run_dir, self.run_id, self.status_rows())
                 self._report()
 
@@ -567,6 +572,7 @@ class Supervisor:
         deadline = time.monotonic() + ORPHAN_REAP_S
         while self._kill_orphans() and time.monotonic() < deadline:
             time.sleep(0.02)
+        self._drain_heartbeats()
         for ring in self.rings:
             ring.close()
             ring.unlink()
@@ -580,6 +586,26 @@ class Supervisor:
             except FileNotFoundError:
                 pass
         log.info("cleanup rings=%d socket=%s", len(self.rings), addr)
+
+    def _balance(self, steady: bool) -> dict:
+        """Duty cycles and starvation of the run's processes (``shared.balance.run_balance``)."""
+        return run_balance([self.balance[("producer", c.index)] for c in self.producers],
+                           [self.balance[("consumer", c.index)] for c in self.consumers], steady=steady)
+
+    def _drain_heartbeats(self) -> None:
+        """Take the balance figures of the heartbeats still queued once every child has exited (each child sends
+        one last heartbeat as it exits, after the loop stopped reading); every other frame is dropped."""
+        if getattr(self, "router", None) is None:
+            return
+        for _ in range(MAX_FRAMES_PER_TURN):
+            got = channel.recv_from(self.router, 0)
+            if got is None:
+                return
+            peer, msg = got
+            ident = parse_identity(peer)
+            if isinstance(msg, m.Heartbeat) and ident and self._child(ident[0], ident[1]) is not None \
+                    and msg.role == ident[0] and msg.index == ident[1] and msg.generation == ident[2]:
+                self.balance[(ident[0], ident[1])].update(ident[2], msg.stats)
 
     def _checkpoint_from_disk(self) -> None:
         """Take ``checkpoints/latest`` as the last checkpoint when it is newer than the last one reported."""
@@ -634,6 +660,8 @@ class Supervisor:
             "refused_commands": self.refused_commands,
             "last_checkpoint": self.last_checkpoint,
             "tau_last": self._tau_last(),
+            # duty cycle of producers, starvation of consumers, capacity per process (shared.balance)
+            "balance": self._balance(steady=True),
         }
         p = self.run_dir / "summary.json"
         tmp = p.with_suffix(".tmp")
