@@ -139,6 +139,23 @@ def launch(flags: list[str], timeout_s: float = 1800) -> dict:
         return json.loads(summary.read_text())
 
 
+def pipeline_flags(args, producers: str, consumers: str) -> list[str]:
+    """The ``launch.py train`` flags of a benchmark's pipeline run, from its parsed arguments (target, batch
+    shape, anchors, steps, draft layers, data, random weights): no evaluation, no checkpoint. ``producers`` and
+    ``consumers`` are comma lists of devices."""
+    flags = ["--target", args.target, "--producers", producers, "--consumers", consumers,
+             "--max-tokens", str(args.max_tokens), "--max-batch-size", str(args.max_batch_size), "--num-anchors",
+             str(args.num_anchors), "--max-steps", str(args.steps), "--eval-prompts", "0",
+             "--checkpoint-every", str(10**6)]
+    if args.num_draft_layers:
+        flags += ["--num-draft-layers", str(args.num_draft_layers)]
+    if args.data:
+        flags += ["--data", args.data]
+    if args.random_target_weights:
+        flags += ["--random-target-weights"]
+    return flags
+
+
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -149,4 +166,4 @@ def _now() -> float:
     return time.perf_counter()
 
 
-__all__ = ["DEFAULT_TARGET", "ProducerStage", "launch", "make_trainer", "plan_batches", "run_config", "sync"]
+__all__ = ["DEFAULT_TARGET", "ProducerStage", "launch", "make_trainer", "pipeline_flags", "plan_batches", "run_config", "sync"]

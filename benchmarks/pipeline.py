@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.harness import DEFAULT_TARGET, ProducerStage, launch, make_trainer, plan_batches, run_config, sync  # noqa: E402,I001
+from benchmarks.harness import DEFAULT_TARGET, ProducerStage, launch, make_trainer, pipeline_flags, plan_batches, run_config, sync  # noqa: E402,I001
 
 
 def stage_rates(args) -> tuple[float, float, int]:
@@ -84,16 +84,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.producers, args.consumers = args.producers.split(","), args.consumers.split(",")
     prod, cons, tokens = stage_rates(args)
-    flags = ["--target", args.target, "--producers", ",".join(args.producers), "--consumers", ",".join(args.consumers),
-             "--max-tokens", str(args.max_tokens), "--max-batch-size", str(args.max_batch_size), "--num-anchors",
-             str(args.num_anchors), "--max-steps", str(args.steps), "--eval-prompts", "0",
-             "--checkpoint-every", str(10**6)]
-    if args.num_draft_layers:
-        flags += ["--num-draft-layers", str(args.num_draft_layers)]
-    if args.data:
-        flags += ["--data", args.data]
-    if args.random_target_weights:
-        flags += ["--random-target-weights"]
+    flags = pipeline_flags(args, ",".join(args.producers), ",".join(args.consumers))
     summary = launch(flags)
     pipe = float(summary["tokens_per_s"])
     devices = set(args.producers) | set(args.consumers)

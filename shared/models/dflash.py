@@ -94,8 +94,24 @@ def resolve_mask_token_id(target_dir: str | Path, trust_remote_code: bool = Fals
     raise ValueError(f"mask_token_id: the tokenizer in {target_dir} has neither a mask nor a pad token; set it")
 
 
+class DraftConfigDict:
+    """``to_dict``/``from_dict`` of a drafter's config dataclass (the checkpoint's ``*_config.json``):
+    ``from_dict`` raises ``ValueError`` naming keys the dataclass does not have."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = set(d) - known
+        if bad:
+            raise ValueError(f"unknown {cls.__name__} key(s) {sorted(bad)}")
+        return cls(**d)
+
+
 @dataclass
-class DFlashConfig:
+class DFlashConfig(DraftConfigDict):
     """Shape and conventions of a DFlash drafter (serialised as ``dflash_config.json`` in checkpoints).
 
     ``num_hidden_layers`` is the number of *draft* layers; ``num_target_layers`` (``n``) the number of
@@ -134,17 +150,6 @@ class DFlashConfig:
             raise ValueError(f"block_size: must be >= 2, got {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id: {self.mask_token_id} outside the vocabulary 0..{self.vocab_size - 1}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        bad = set(d) - known
-        if bad:
-            raise ValueError(f"unknown DFlashConfig key(s) {sorted(bad)}")
-        return cls(**d)
 
     @classmethod
     def from_target(cls, target_dir: str | Path, target_layer_ids: list[int] | None, block_size: int = 16,
