@@ -251,7 +251,7 @@ class Supervisor:
             log.info("hello %s=%d pid=%d generation=%d", role, msg.index, msg.pid, msg.generation)
         elif isinstance(msg, m.Heartbeat):
             self.monitor.on_heartbeat(child, msg.stats)
-            self.balance[(role, child.index)].update(child.generation, msg.stats)
+            self.balance[(role, child.index)].update(peer_gen, msg.stats)
         elif isinstance(msg, m.SlotReady) and role == "producer":
             if co.on_slot_ready(msg):
                 self.monitor.on_progress(child)
