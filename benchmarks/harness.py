@@ -7,6 +7,7 @@ Used by ``benchmarks/pipeline.py`` (each stage alone against the pipeline) and `
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from specring.consumer.trainer import Trainer, dflash_config_from_run  # noqa: E402
+from specring.consumer.trainer import CPU_MAX_MASK_ELEMS, Trainer, dflash_config_from_run  # noqa: E402
 from specring.producers.producer import Producer  # noqa: E402
 from specring.shared.config import DataConfig, ProducerConfig, RunConfig, TrainerConfig  # noqa: E402
 from specring.shared.data.dataset import BatchPlan, TokenDataset, collate  # noqa: E402
@@ -44,7 +45,14 @@ def plan_batches(data: str | None, max_tokens: int, max_batch_size: int, count: 
 
 
 def run_config(target: str, producers: list[str], consumers: list[str], **trainer) -> RunConfig:
-    """A ``RunConfig`` for the benchmark's topology (the trainer fields given, the rest defaults)."""
+    """A ``RunConfig`` for the benchmark's topology (the trainer fields given, the rest defaults). When every
+    device is CPU, a trainer field not given (or given as None) takes its declared CPU default, as
+    ``launch.py train`` does (e.g. 2 draft layers): the stages alone then train the drafter the run trains."""
+    trainer = {k: v for k, v in trainer.items() if v is not None}
+    if all(torch.device(d).type == "cpu" for d in [*producers, *consumers]):
+        for f in dataclasses.fields(TrainerConfig):
+            if "cpu_default" in f.metadata and f.name not in trainer and f.name != "max_steps":
+                trainer[f.name] = f.metadata["cpu_default"]
     return RunConfig(producer=ProducerConfig(target=target, devices=producers),
                      trainer=TrainerConfig(devices=consumers, **trainer), data=DataConfig())
 
@@ -54,7 +62,8 @@ class ProducerStage:
     write and publish, as ``producers/main.py`` does with one batch in flight) and the seconds it took."""
 
     def __init__(self, cfg: RunConfig, device: str, random_weights: bool = False):
-        self.model, hf = load_target(cfg.producer.target, device, cfg.producer.dtype, random_weights=random_weights)
+        self.model, hf = load_target(cfg.producer.target, device, cfg.producer.dtype, random_weights=random_weights,
+                                   trust_remote_code=cfg.producer.trust_remote_code)
         self.device = torch.device(device)
         layers = resolve_layer_ids(hf.num_hidden_layers, cfg.producer.target_layer_ids, cfg.producer.num_target_layers)
         self.layer_ids = layers
@@ -64,13 +73,13 @@ class ProducerStage:
         """Create the stage's ring (two slots, sized for the largest of ``batches``) and its producer."""
         t = self.cfg.trainer
         probe = Producer(self.model, self.layer_ids, ring=None, generation=1, device=self.device,
-                         label_source=t.label_source, topk=t.distill_topk)
+                         label_source=t.label_source, topk=t.resolved_distill_topk())
         need = max(probe.payload_bytes(int(b["lengths"].sum()), len(b["lengths"])) for b in batches)
         self.ring = ring.Ring.create(ring.segment_name(ring.new_run_id(), "bench"), num_slots=2, slot_bytes=need)
         if self.device.type == "cuda":
             self.ring.pin()
         self.producer = Producer(self.model, self.layer_ids, self.ring, 1, self.device, label_source=t.label_source,
-                                 topk=t.distill_topk)
+                                 topk=t.resolved_distill_topk())
         self.seq = 0
 
     def run(self, batches: list[dict], keep: bool = False) -> tuple[float, list[dict]]:
@@ -109,8 +118,12 @@ class ProducerStage:
 
 
 def make_trainer(cfg: RunConfig, device: str, run_dir: str) -> Trainer:
-    """A trainer of ``cfg``'s drafter on ``device`` (the consumer's)."""
-    return Trainer(cfg.trainer, dflash_config_from_run(cfg), cfg.producer.target, device, run_dir, write_metrics=False)
+    """A trainer of ``cfg``'s drafter on ``device``, built as a consumer process builds it (on CPU: its small
+    attention groups, ``CPU_MAX_MASK_ELEMS``; without them a CPU stage measured 48 tokens/s where the consumer
+    process trained 114)."""
+    cpu = {} if torch.device(device).type == "cuda" else {"max_mask_elems": CPU_MAX_MASK_ELEMS}
+    return Trainer(cfg.trainer, dflash_config_from_run(cfg), cfg.producer.target, device, run_dir, write_metrics=False,
+                   **cpu)
 
 
 def launch(flags: list[str], timeout_s: float = 1800) -> dict:
@@ -126,6 +139,23 @@ def launch(flags: list[str], timeout_s: float = 1800) -> dict:
         return json.loads(summary.read_text())
 
 
+def pipeline_flags(args, producers: str, consumers: str) -> list[str]:
+    """The ``launch.py train`` flags of a benchmark's pipeline run, from its parsed arguments (target, batch
+    shape, anchors, steps, draft layers, data, random weights): no evaluation, no checkpoint. ``producers`` and
+    ``consumers`` are comma lists of devices."""
+    flags = ["--target", args.target, "--producers", producers, "--consumers", consumers,
+             "--max-tokens", str(args.max_tokens), "--max-batch-size", str(args.max_batch_size), "--num-anchors",
+             str(args.num_anchors), "--max-steps", str(args.steps), "--eval-prompts", "0",
+             "--checkpoint-every", str(10**6)]
+    if args.num_draft_layers:
+        flags += ["--num-draft-layers", str(args.num_draft_layers)]
+    if args.data:
+        flags += ["--data", args.data]
+    if args.random_target_weights:
+        flags += ["--random-target-weights"]
+    return flags
+
+
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -136,4 +166,4 @@ def _now() -> float:
     return time.perf_counter()
 
 
-__all__ = ["DEFAULT_TARGET", "ProducerStage", "launch", "make_trainer", "plan_batches", "run_config", "sync"]
+__all__ = ["DEFAULT_TARGET", "ProducerStage", "launch", "make_trainer", "pipeline_flags", "plan_batches", "run_config", "sync"]

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.harness import DEFAULT_TARGET, ProducerStage, launch, make_trainer, plan_batches, run_config, sync  # noqa: E402,I001
+from benchmarks.harness import DEFAULT_TARGET, ProducerStage, launch, make_trainer, pipeline_flags, plan_batches, run_config, sync  # noqa: E402,I001
 
 
 def inprocess(args) -> float:
@@ -96,16 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=100)
     args = ap.parse_args(argv)
     base = inprocess(args)
-    flags = ["--target", args.target, "--producers", args.producers, "--consumers", args.consumers,
-             "--max-tokens", str(args.max_tokens), "--max-batch-size", str(args.max_batch_size), "--num-anchors",
-             str(args.num_anchors), "--max-steps", str(args.steps), "--eval-prompts", "0",
-             "--checkpoint-every", str(10**6)]
-    if args.num_draft_layers:
-        flags += ["--num-draft-layers", str(args.num_draft_layers)]
-    if args.data:
-        flags += ["--data", args.data]
-    if args.random_target_weights:
-        flags += ["--random-target-weights"]
+    flags = pipeline_flags(args, args.producers, args.consumers)
     pipe = float(launch(flags)["tokens_per_s"])
     print(f"target={args.target} producers={args.producers} consumers={args.consumers} steps={args.steps}")
     print(f"inprocess_tokens_per_s={base:,.0f}")

@@ -7,14 +7,15 @@ For a target (``--target``; the fixture by default, or a Qwen3-8B-shaped random 
    ``--batches`` batches exactly as a producer process does (forward, capture, target labels, slot write and
    publish, one batch in flight);
 2. **consumer alone** (``consumer_tokens_per_s``): the drafter trainer on the first consumer device trains on the
-   payloads of stage 1, already on the device;
+   payloads of stage 1, already on the device (on CPU, both stages with the threads one process of the run gets);
 3. **pipeline** (``pipeline_tokens_per_s``): ``launch.py train`` with that topology for ``--steps`` steps (its
    ``summary.json`` tokens/s, measured from the first optimizer step).
 
 ``bound`` = ``min(P * producer, C * consumer)`` when producers and consumers have GPUs of their own, and
 ``1 / (1/producer + 1/consumer)`` when one GPU holds them all (the stages then take turns; CPU processes run on
 cores of their own, so a CPU topology uses the first form); printed:
-``pipeline_efficiency=pipeline/bound`` (goal: >= 0.95 on own GPUs, >= 0.9 on one shared GPU).
+``pipeline_efficiency=pipeline/bound`` (goal: >= 0.95 on own GPUs, >= 0.9 on one shared GPU), and the
+pipeline run's producer duty cycle and consumer starvation (``summary.json`` ``balance``).
 
     python benchmarks/pipeline.py --producers cuda:0 --consumers cuda:1 --batches 40 --steps 200
     python benchmarks/pipeline.py --producers cpu --consumers cpu --batches 4 --steps 8 --max-tokens 1024
@@ -23,6 +24,7 @@ cores of their own, so a CPU topology uses the first form); printed:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.harness import DEFAULT_TARGET, ProducerStage, launch, make_trainer, plan_batches, run_config, sync  # noqa: E402,I001
+from benchmarks.harness import DEFAULT_TARGET, ProducerStage, launch, make_trainer, pipeline_flags, plan_batches, run_config, sync  # noqa: E402,I001
 
 
 def stage_rates(args) -> tuple[float, float, int]:
@@ -41,6 +43,8 @@ def stage_rates(args) -> tuple[float, float, int]:
                      num_draft_layers=args.num_draft_layers)
     batches = plan_batches(args.data, args.max_tokens, args.max_batch_size, args.batches)
     tokens = sum(int(b["lengths"].sum()) for b in batches)
+    if "cpu" in args.producers + args.consumers:  # the threads each process of the run gets (producers/main.py)
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // (len(args.producers) + len(args.consumers))))
     stage = ProducerStage(cfg, args.producers[0], random_weights=args.random_target_weights)
     stage.open(batches)
     try:
@@ -80,16 +84,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.producers, args.consumers = args.producers.split(","), args.consumers.split(",")
     prod, cons, tokens = stage_rates(args)
-    flags = ["--target", args.target, "--producers", ",".join(args.producers), "--consumers", ",".join(args.consumers),
-             "--max-tokens", str(args.max_tokens), "--max-batch-size", str(args.max_batch_size), "--num-anchors",
-             str(args.num_anchors), "--max-steps", str(args.steps), "--eval-prompts", "0",
-             "--checkpoint-every", str(10**6)]
-    if args.num_draft_layers:
-        flags += ["--num-draft-layers", str(args.num_draft_layers)]
-    if args.data:
-        flags += ["--data", args.data]
-    if args.random_target_weights:
-        flags += ["--random-target-weights"]
+    flags = pipeline_flags(args, ",".join(args.producers), ",".join(args.consumers))
     summary = launch(flags)
     pipe = float(summary["tokens_per_s"])
     devices = set(args.producers) | set(args.consumers)
@@ -102,6 +97,11 @@ def main(argv=None) -> int:
     print(f"pipeline_tokens_per_s={pipe:,.0f} (launch.py, {summary.get('trained_batches')} batches)")
     print(f"bound_tokens_per_s={bound:,.0f} ({'harmonic: one shared device' if shared else 'min of the sides'})")
     print(f"balance_producers_per_consumer={cons / prod:.2f} (producers that one consumer keeps busy)")
+    bal = summary.get("balance") or {}
+    print(f"pipeline_producer_duty_cycle={bal.get('producer_duty_cycle')} "
+          f"pipeline_consumer_starvation={bal.get('consumer_starvation')} "
+          f"pipeline_producer_tokens_per_busy_s={bal.get('producer_tokens_per_busy_s')} "
+          f"pipeline_consumer_tokens_per_busy_s={bal.get('consumer_tokens_per_busy_s')} (launch.py run's summary.json)")
     print(f"pipeline_efficiency={pipe / bound:.3f}")
     return 0
 

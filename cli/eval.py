@@ -1,7 +1,9 @@
 """``launch.py eval``: τ of a checkpoint or export beside the baselines, by real speculative decoding.
 
 The table rows: plain greedy decoding (the reference, and the lossless check), the drafter, and the
-baselines (an untrained drafter, prompt lookup), on held-out prompts; see docs/evaluation.md for the
+baselines (an untrained drafter, prompt lookup), on held-out prompts. A DFlash drafter drafts blocks of
+``--block-size - 1``; an EAGLE-3 drafter drafts a chain of ``--num-draft-tokens`` one by one (``Eagle3Proposer``),
+and every row then verifies blocks of ``--num-draft-tokens + 1``; see docs/evaluation.md for the
 standard setting and ``specring.shared.models.speculative`` for what is counted.
 """
 
@@ -17,9 +19,11 @@ from typing import Any
 import torch
 
 from specring.shared.models.dflash import DFlashConfig
+from specring.shared.models.eagle3 import Eagle3Drafter, build_eagle3
 from specring.shared.models.ngram import PromptLookupProposer
 from specring.shared.models.speculative import (
     DFlashProposer,
+    Eagle3Proposer,
     check_same_head,
     greedy_generate,
     load_prompts,
@@ -43,32 +47,66 @@ def target_of_checkpoint(step_dir: str | Path) -> Path | None:
     return Path(target) if target else None
 
 
+def untrained_eagle3(trained: Eagle3Drafter, target_dir: str | Path, device, dtype: torch.dtype,
+                     seed: int = 0) -> Eagle3Drafter:
+    """The baseline of an EAGLE-3 drafter: its shape and draft vocabulary, the target's embedding and head rows
+    (``Eagle3Drafter.load_target_head``), every other weight at its seeded initialisation (the global RNG is
+    left alone)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_eagle3(trained.config, target_dir, trained.d2t.cpu(), trained.t2d.cpu())
+    return model.to(device=device, dtype=dtype).eval()
+
+
 # ---------------------------------------------------------------------------------------------- command line
+HELP_EXAMPLES = """\
+examples:
+  launch.py eval --drafter runs/latest                  the run's latest checkpoint on the demo held-out split
+  launch.py eval --drafter exported/ --target Qwen/Qwen3-8B --data data/heldout.arrow --num-prompts 64
+  launch.py eval --baselines-only --target /models/Qwen3-8B --data data/heldout.arrow"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py eval", description=(
+    """The parser of ``launch.py eval``, its options grouped by concern, each with its default."""
+    from specring.cli.flags import CommandHelpFormatter
+
+    p = argparse.ArgumentParser(prog="launch.py eval", formatter_class=CommandHelpFormatter, epilog=HELP_EXAMPLES,
+                                description=(
         "Acceptance length tau by real greedy block-verify speculative decoding with the target, next to "
         "the baselines (untrained drafter, prompt lookup) and checked lossless against greedy decoding."))
-    p.add_argument("--target", help="target checkpoint directory (default: the run's target, else "
-                                    "assets/tiny-code-lm)")
-    p.add_argument("--drafter", default="none", help="checkpoint step directory or run directory (its latest "
-                                                     "checkpoint); 'none' = baselines only")
-    p.add_argument("--data", nargs="+", help="held-out Arrow file(s) from `launch.py prepare` "
+    m = p.add_argument_group("target and drafter")
+    m.add_argument("--drafter", default="none", help="checkpoint step directory, run directory (its latest "
+                                                     "checkpoint) or export; none: baselines only")
+    m.add_argument("--target", metavar="DIR|ORG/NAME",
+                   help="target checkpoint: a directory or a hub id (Qwen/Qwen3-8B) resolved from the local Hugging "
+                        "Face cache (default: the run's target, else assets/tiny-code-lm)")
+    m.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run the modelling and tokenizer code the target ships")
+    m.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda or cuda:N")
+    m.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32")
+    d = p.add_argument_group("prompts")
+    d.add_argument("--data", nargs="+", help="held-out Arrow file(s) from `launch.py prepare` "
                                              "(default: data/demo/heldout.arrow, built when missing)")
-    p.add_argument("--num-prompts", type=int, default=24, help="prompts per dataset (default 24)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt (default 256)")
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt = first N tokens of a sample (default 256)")
-    p.add_argument("--block-size", type=int, help="verify block size B (default: the drafter's, else 16)")
-    p.add_argument("--baselines-only", action="store_true", help="evaluate only the baselines")
-    p.add_argument("--no-baselines", action="store_true", help="skip the untrained-drafter and prompt-lookup rows")
-    p.add_argument("--baselines", default="untrained,prompt-lookup",
-                   help="comma list of baseline rows: untrained, prompt-lookup (default both)")
-    p.add_argument("--no-lossless-check", action="store_true", help="skip the greedy reference decode")
-    p.add_argument("--ngram-max", type=int, default=3, help="longest n-gram of the prompt-lookup baseline")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS token")
-    p.add_argument("--device", default="auto", help="auto (cuda when present), cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), bfloat16, float32")
-    p.add_argument("--seed", type=int, default=0, help="initialisation seed of the untrained drafter")
-    p.add_argument("--output-json", help="write every figure to this JSON file")
+    d.add_argument("--num-prompts", type=int, default=24, help="prompts per dataset")
+    d.add_argument("--prompt-len", type=int, default=256, help="prompt = first N tokens of a sample")
+    g = p.add_argument_group("decoding")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
+    g.add_argument("--block-size", type=int, help="verify block size B (default: the drafter's, else 16); an "
+                                                  "EAGLE-3 drafter drafts B-1 tokens (see --num-draft-tokens)")
+    g.add_argument("--num-draft-tokens", type=int,
+                   help="EAGLE-3: tokens drafted one by one per verify step (chain drafting; the verify block is "
+                        "K+1, also for the baselines); default: the drafter's TTT steps")
+    g.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS token")
+    g.add_argument("--no-lossless-check", action="store_true", help="skip the greedy reference decode")
+    b = p.add_argument_group("baselines")
+    b.add_argument("--baselines-only", action="store_true", help="evaluate only the baselines")
+    b.add_argument("--no-baselines", action="store_true", help="skip the untrained-drafter and prompt-lookup rows")
+    b.add_argument("--baselines", default="untrained,prompt-lookup",
+                   help="comma list of baseline rows: untrained, prompt-lookup")
+    b.add_argument("--ngram-max", type=int, default=3, help="longest n-gram of the prompt-lookup baseline")
+    b.add_argument("--seed", type=int, default=0, help="initialisation seed of the untrained drafter")
+    o = p.add_argument_group("output")
+    o.add_argument("--output-json", help="write every figure to this JSON file")
     return p
 
 
@@ -92,10 +130,13 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
             raise ConfigError(f"{flag}: must be >= 1, got {v}")
     use_drafter = not args.baselines_only and str(args.drafter).lower() not in ("none", "")
     step_dir = ckpt.resolve_checkpoint(args.drafter) if use_drafter else None
-    target_dir = Path(args.target or (step_dir and target_of_checkpoint(step_dir)) or DEFAULT_TARGET)
+    from specring.shared.hub import resolve_model_dir
+    target_dir = resolve_model_dir(args.target or (step_dir and target_of_checkpoint(step_dir)) or DEFAULT_TARGET,
+                                   "--target")
+    trust = bool(getattr(args, "trust_remote_code", False))
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
         "cpu" if args.device == "auto" else args.device)
-    target, hf_config = load_target(target_dir, device, args.dtype)
+    target, hf_config = load_target(target_dir, device, args.dtype, trust_remote_code=trust)
     dtype = next(target.parameters()).dtype
     if step_dir is not None:
         if ckpt.is_export(step_dir):   # evaluated as served: in its exported dtype, whatever --dtype says
@@ -107,19 +148,33 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         dcfg = drafter.config
     else:
         drafter = None
-        dcfg = DFlashConfig.from_target(target_dir, None, block_size=args.block_size or 16)
-    bsz = int(args.block_size or dcfg.block_size)
+        dcfg = DFlashConfig.from_target(target_dir, None, block_size=args.block_size or 16, trust_remote_code=trust)
+    eagle3 = isinstance(drafter, Eagle3Drafter)
+    if args.num_draft_tokens is not None and not eagle3:
+        raise ConfigError("--num-draft-tokens: only for an EAGLE-3 drafter (a DFlash drafter drafts --block-size - 1)")
+    if eagle3:
+        k = args.num_draft_tokens if args.num_draft_tokens is not None else (
+            args.block_size - 1 if args.block_size else dcfg.ttt_steps)
+        if k < 1:
+            raise ConfigError(f"--num-draft-tokens: must be >= 1, got {k}")
+        bsz = int(k) + 1
+    else:
+        bsz = int(args.block_size or dcfg.block_size)
     if bsz < 2:
         raise ConfigError(f"--block-size: must be >= 2, got {bsz}")
     rows_spec: list[tuple[str, Any]] = []
     if drafter is not None:
-        rows_spec.append((f"dflash {step_dir.name}", DFlashProposer(drafter, bsz)))
+        rows_spec.append((f"eagle3 {step_dir.name} (chain k={bsz - 1})", Eagle3Proposer(drafter, bsz - 1)) if eagle3
+                         else (f"dflash {step_dir.name}", DFlashProposer(drafter, bsz)))
     baselines = {b.strip() for b in args.baselines.split(",") if b.strip()}
     if baselines - {"untrained", "prompt-lookup"}:
         raise ConfigError(f"--baselines: unknown {sorted(baselines - {'untrained', 'prompt-lookup'})} "
                           "(known: untrained, prompt-lookup)")
     if not args.no_baselines or drafter is None:
-        if "untrained" in baselines:
+        if "untrained" in baselines and eagle3:
+            rows_spec.append(("eagle3 untrained", Eagle3Proposer(untrained_eagle3(drafter, target_dir, device, dtype,
+                                                                                  args.seed), bsz - 1)))
+        elif "untrained" in baselines:
             rows_spec.append(("dflash untrained", DFlashProposer(untrained_drafter(dcfg, target_dir, device, dtype,
                                                                                    args.seed), bsz)))
         if "prompt-lookup" in baselines:
@@ -149,7 +204,8 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
                 row["speedup"] = row["tokens_per_s"] / greedy_rate if greedy_rate and row["tokens_per_s"] else None
             rows.append(row)
             logger.info("eval dataset=%s drafter=%r tau_mean=%s", path.stem, name, row["tau_mean"])
-    return {"target": str(target_dir), "drafter": str(step_dir) if step_dir else None, "device": device,
+    return {"target": str(target_dir), "drafter": str(step_dir) if step_dir else None,
+            "drafter_kind": "eagle3" if eagle3 else ("dflash" if drafter is not None else None), "device": device,
             "dtype": str(dtype).replace("torch.", ""), "block_size": bsz, "num_prompts": args.num_prompts,
             "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "stop_token_ids": stop,
             "target_layer_ids": dcfg.target_layer_ids, "rows": rows}

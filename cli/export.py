@@ -94,10 +94,10 @@ def _target_config(target_dir: Path) -> tuple[dict, dict]:
     return raw, _text_config(raw)
 
 
-def _mask_token_string(target_dir: Path, mask_token_id: int) -> str | None:
+def _mask_token_string(target_dir: Path, mask_token_id: int, trust_remote_code: bool = False) -> str | None:
     try:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(str(target_dir))
+        from specring.shared.hub import load_pretrained
+        tok = load_pretrained("tokenizer", target_dir, trust_remote_code=trust_remote_code)
         return str(tok.convert_ids_to_tokens(int(mask_token_id)))
     except Exception as e:  # a target without a tokenizer still exports (mask by id only)
         logger.warning("mask token string not resolved from %s: %s", target_dir, e)
@@ -219,10 +219,11 @@ def _check_checkpoint(step_dir: Path, target_dir: Path) -> tuple[DFlashDrafter, 
 
 
 def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: str | Path | None = None,
-                   dtype: str = "auto", overwrite: bool = False) -> Path:
+                   dtype: str = "auto", overwrite: bool = False, trust_remote_code: bool = False) -> Path:
     """Write the serving directory for ``checkpoint`` (step, checkpoints or run directory) to ``output_dir``.
 
-    ``target_dir``: the target (default: the run's, from ``run_dir/config.json``, else the fixture);
+    ``target_dir``: the target, a directory or a hub id (``shared.hub.resolve_model_dir``; default: the run's,
+    from ``run_dir/config.json``, else the fixture); ``trust_remote_code``: its tokenizer's own code may run;
     ``dtype``: ``auto`` (the target's ``dtype``, else bfloat16), ``bfloat16``, ``float16`` or ``float32``.
     The directory is written under a temporary name and renamed into place. Raises ``FileNotFoundError``
     (no checkpoint, no target), ``FileExistsError`` (a non-empty ``output_dir`` without ``overwrite``) and
@@ -234,7 +235,8 @@ def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     step_dir = ckpt.resolve_checkpoint(checkpoint)
     if ckpt.is_export(step_dir):
         raise ValueError(f"--drafter: {step_dir} is an export already; export from a checkpoint or run directory")
-    target = Path(target_dir or target_of_checkpoint(step_dir) or DEFAULT_TARGET)
+    from specring.shared.hub import resolve_model_dir
+    target = resolve_model_dir(target_dir or target_of_checkpoint(step_dir) or DEFAULT_TARGET, "--target")
     out = Path(output_dir)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"--output: {out} exists and is not empty (pass --overwrite)")
@@ -247,7 +249,8 @@ def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     weights = {k: v.to(DTYPES[dtype]).contiguous() for k, v in drafter.trainable_state_dict().items()}
     expected = reference_weight_names(drafter.config.num_hidden_layers)
     assert set(weights) == expected, f"weight names drifted from the reference: {set(weights) ^ expected}"
-    cfg = exported_config(drafter.config, target_raw, dtype, _mask_token_string(target, drafter.config.mask_token_id))
+    cfg = exported_config(drafter.config, target_raw, dtype, _mask_token_string(target, drafter.config.mask_token_id,
+                                                                               trust_remote_code))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -302,6 +305,9 @@ def load_exported_as_served(export_dir: str | Path, device: str | torch.device =
     when that target is not recorded or does not exist (then use ``load_exported`` with a target)."""
     export_dir = Path(export_dir)
     cfg = json.loads((export_dir / CONFIG_FILE).read_text())
+    if cfg.get("architectures") == ["LlamaForCausalLMEagle3"]:
+        from specring.cli.export_eagle3 import load_eagle3_export
+        return load_eagle3_export(export_dir, device)
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
     try:
         target = Path(json.loads((export_dir / PROVENANCE_FILE).read_text())["target"])
@@ -343,15 +349,65 @@ def load_exported(export_dir: str | Path, target_dir: str | Path, device: str | 
     return model.to(device).eval()
 
 
+def _export_eagle3_main(args: argparse.Namespace, step_dir: Path) -> int:
+    """``launch.py export`` of an EAGLE-3 checkpoint (``cli.export_eagle3``): the same flags; ``--dtype auto``
+    is the target's dtype (else bfloat16). Raises what ``export_eagle3`` raises, and ``FileExistsError`` for a
+    non-empty ``--output`` without ``--overwrite``."""
+    from specring.cli.eval import target_of_checkpoint
+    from specring.cli.export_eagle3 import export_eagle3
+    from specring.shared.config import DEFAULT_TARGET
+
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()) and not args.overwrite:
+        raise FileExistsError(f"--output: {out} exists and is not empty (pass --overwrite)")
+    dtype = args.dtype
+    if dtype == "auto":
+        from specring.shared.hub import resolve_model_dir
+        target = resolve_model_dir(args.target or target_of_checkpoint(step_dir) or DEFAULT_TARGET, "--target")
+        raw, _ = _target_config(target)
+        dtype = str(_text_config(raw).get("dtype") or raw.get("torch_dtype") or "bfloat16")
+        dtype = dtype if dtype in DTYPES else "bfloat16"
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    out = export_eagle3(step_dir, out, dtype)
+    cfg = json.loads((out / CONFIG_FILE).read_text())
+    print(f"exported {out}: EAGLE-3 ({cfg['architectures'][0]}), draft vocabulary {cfg['draft_vocab_size']} of "
+          f"{cfg['vocab_size']}, target layers {cfg['eagle_config']['eagle_aux_hidden_state_layer_ids']}, "
+          f"dtype {cfg['torch_dtype']}")
+    print(f"serve (SGLang): --speculative-algorithm EAGLE3 --speculative-draft-model-path {out} "
+          f"--speculative-eagle-topk 1 --speculative-num-steps K --speculative-num-draft-tokens K+1")
+    print(f"serve (vLLM): --speculative-config '{{\"method\": \"eagle3\", \"model\": \"{out}\", "
+          f"\"num_speculative_tokens\": K}}'")
+    return 0
+
+
+HELP_EXAMPLES = """\
+examples:
+  launch.py export --drafter runs/latest --output exported/
+  launch.py export --drafter runs/q8/checkpoints/step-002000 --target Qwen/Qwen3-8B --output q8-dflash/ --overwrite"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py export", description=(
-        "Write a drafter checkpoint as a DFlashDraftModel directory (config.json + model.safetensors) that "
-        "the SGLang and vLLM DFlash loaders accept."))
-    p.add_argument("--drafter", required=True, help="checkpoint step directory or run directory (latest checkpoint)")
-    p.add_argument("--output", required=True, help="directory to write")
-    p.add_argument("--target", help="target checkpoint (default: the run's target, else assets/tiny-code-lm)")
-    p.add_argument("--dtype", default="auto", help="auto (the target's), bfloat16, float16 or float32")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
+    """The parser of ``launch.py export``, its options grouped by concern, each with its default."""
+    from specring.cli.flags import CommandHelpFormatter
+
+    p = argparse.ArgumentParser(prog="launch.py export", formatter_class=CommandHelpFormatter, epilog=HELP_EXAMPLES,
+                                description=(
+        "Write a drafter checkpoint in the format the serving engines load: a DFlash checkpoint as a "
+        "DFlashDraftModel directory (config.json + model.safetensors) that the SGLang and vLLM DFlash loaders "
+        "accept; an EAGLE-3 checkpoint as a LlamaForCausalLMEagle3 directory (with d2t/t2d) that their EAGLE-3 "
+        "loaders accept."))
+    c = p.add_argument_group("checkpoint and target")
+    c.add_argument("--drafter", required=True, help="checkpoint step directory or run directory (latest checkpoint)")
+    c.add_argument("--target", metavar="DIR|ORG/NAME",
+                   help="target checkpoint: a directory or a hub id (Qwen/Qwen3-8B) resolved from the local Hugging "
+                        "Face cache (default: the run's target, else assets/tiny-code-lm)")
+    c.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers run the tokenizer code the target ships")
+    o = p.add_argument_group("output")
+    o.add_argument("--output", required=True, help="directory to write")
+    o.add_argument("--dtype", default="auto", help="auto (the target's), bfloat16, float16 or float32")
+    o.add_argument("--overwrite", action="store_true", help="replace a non-empty --output directory")
     return p
 
 
@@ -362,7 +418,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging("export")
     try:
-        out = export_drafter(args.drafter, args.output, args.target, args.dtype, args.overwrite)
+        step_dir = ckpt.resolve_checkpoint(args.drafter)
+        if not ckpt.is_export(step_dir) and ckpt.drafter_kind(step_dir) == "eagle3":
+            return _export_eagle3_main(args, step_dir)
+        out = export_drafter(args.drafter, args.output, args.target, args.dtype, args.overwrite,
+                             args.trust_remote_code)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -16,7 +16,8 @@ Format, as the engines' loaders read it (SGLang ``python/sglang/srt/models/llama
   norms), ``norm.weight``, ``lm_head.weight [Vd, H]``, ``d2t [Vd]`` int64 offsets and ``t2d [V]`` bool; no
   ``model.`` prefix, no embedding (both engines use the target's), nothing else (vLLM refuses unknown names,
   SGLang skips them silently).
-* ``specring_export.json``: provenance (checkpoint, step, dtype, target).
+* ``specring_export.json``: provenance (checkpoint, dtype, target, TTT steps); ``load_eagle3_export`` reads an
+  export back as served (``launch.py eval --drafter EXPORT_DIR``).
 
 An export that would lack a required field or tensor, or whose shapes disagree, is refused before anything
 is written (``check_eagle3_export``).
@@ -33,7 +34,12 @@ from typing import Any
 import torch
 
 from specring.shared import checkpoint as ckpt
-from specring.shared.models.eagle3 import Eagle3Config, Eagle3Drafter, default_eagle3_layer_ids
+from specring.shared.models.eagle3 import (
+    DEFAULT_TTT_STEPS,
+    Eagle3Config,
+    Eagle3Drafter,
+    default_eagle3_layer_ids,
+)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 REQUIRED_CONFIG = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -136,10 +142,49 @@ def export_eagle3(checkpoint: str | Path, output_dir: str | Path, dtype: str = "
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2) + "\n")
     (tmp / "specring_export.json").write_text(json.dumps(
-        {"drafter": "eagle3", "checkpoint": str(step_dir), "dtype": dtype, "target": target}, indent=1) + "\n")
+        {"drafter": "eagle3", "checkpoint": str(step_dir), "dtype": dtype, "target": target,
+         "ttt_steps": cfg.ttt_steps}, indent=1) + "\n")
     for f in tmp.iterdir():
         ckpt.usual_mode(f)
     if out.exists():
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
+
+
+def load_eagle3_export(export_dir: str | Path, device: str | torch.device = "cpu") -> Eagle3Drafter:
+    """The drafter of an EAGLE-3 export as it is served (eval mode): its weights in the exported dtype, the
+    embedding of the target recorded in ``specring_export.json`` (an export holds none: the engines use the
+    target's). Raises ``ValueError`` when the export fails ``check_eagle3_export``, its shape is not the recorded
+    target's, or that target is not recorded or gone."""
+    from safetensors import safe_open
+
+    from specring.shared.models.dflash import read_target_head
+
+    export_dir = Path(export_dir)
+    cfg = json.loads((export_dir / "config.json").read_text())
+    with safe_open(str(export_dir / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    check_eagle3_export(cfg, tensors)
+    try:
+        prov = json.loads((export_dir / "specring_export.json").read_text())
+        target = Path(prov["target"])
+    except (OSError, ValueError, KeyError, TypeError):
+        prov, target = {}, None
+    if target is None or not (target / "config.json").is_file():
+        raise ValueError(f"{export_dir}: the target it was exported for is not recorded in specring_export.json or "
+                         f"is gone ({target})")
+    ecfg = Eagle3Config.from_target(target, cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+                                    draft_vocab_size=int(cfg["draft_vocab_size"]),
+                                    ttt_steps=int(prov.get("ttt_steps") or DEFAULT_TTT_STEPS))
+    mine = eagle3_export_config(ecfg, None, cfg.get("torch_dtype", "float32"))
+    differ = sorted(k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                "head_dim", "vocab_size", "draft_vocab_size") if mine[k] != cfg[k])
+    if differ:
+        raise ValueError(f"{export_dir}: config.json differs from a drafter of the target {target} in {differ}")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(cfg.get("torch_dtype"), torch.float32)
+    model = Eagle3Drafter(ecfg).to(dtype=dtype)
+    model.load_trainable(tensors, f"{export_dir}/model.safetensors")
+    embed, _ = read_target_head(target, ecfg.tie_word_embeddings)
+    model.load_frozen(embed)
+    return model.to(device).eval()

@@ -47,18 +47,24 @@ Train a DFlash drafter from a target's hidden states: producers (each runs the t
 hidden states) and consumers (drafter trainers) run as separate processes joined by shared-memory rings.
 
 Every configuration field is a flag --SECTION.FIELD-NAME (sections: data, ring, producer, trainer,
-monitor; --run-dir, --resume, --tcp and --run-id have none); the common ones also have a short alias
-(--lr, --producers, --slot-mb, ...). --config FILE sets the same fields from TOML or YAML ([trainer] lr =
-3e-4); flags override the file. When every producer and consumer is on CPU, the fields that show an
-"on CPU" default use it unless set. Lists are comma lists (1,9,17); "none" clears a field that allows it;
-a yes/no field takes --FLAG or --no-FLAG."""
+monitor; --run-dir, --resume, --report-to, --tcp and --run-id have none); the common ones also have a
+short alias (--lr, --producers, --slot-mb, ...). --config FILE sets the same fields from TOML or YAML
+([trainer] lr = 3e-4; the recipes in configs/); flags override the file. When every producer and
+consumer is on CPU, the fields that show an "on CPU" default use it unless set. Lists are comma lists
+(1,9,17); "none" clears a field that allows it; a yes/no field takes --FLAG or --no-FLAG. --target takes
+a directory or a Hugging Face hub id (Qwen/Qwen3-8B)."""
 
 EPILOG = """\
 examples:
   launch.py train                                   the embedded default: fixture target, demo corpus
   launch.py train --plan                            print the resolved run (and its CPU defaults); start nothing
-  launch.py train --target /models/Qwen3-8B --data data/train.arrow --producers cuda:0,cuda:1 \\
-      --consumers cuda:2 --target-layers 1,9,17,25,33 --max-tokens 32768 --epochs 1 --run-dir runs/q8
+  launch.py train --config configs/qwen3-8b.toml --data data/train.arrow --epochs 1
+                                                    a shipped recipe (configs/): target, layers, drafter, 8 GPUs
+  launch.py train --target Qwen/Qwen3-8B --data data/train.arrow --producers cuda:0,cuda:1,cuda:2 \\
+      --consumers cuda:3,cuda:4,cuda:5,cuda:6,cuda:7 --target-layers 1,9,17,25,33 --run-dir runs/q8
+  launch.py train --target org/custom-model --trust-remote-code ...   a target with its own modelling code
+  launch.py train --report-to tensorboard,wandb     trackers (wandb offline without WANDB_API_KEY)
+  launch.py train --drafter eagle3 --draft-vocab 32000 --ttt-steps 7   an EAGLE-3 drafter (three target layers)
   launch.py train --config run.toml --lr 3e-4       the file, with one value overridden
   launch.py train --trainer.grad-clip 0.5 --monitor.backoff-max-s 30 --data.bucket-edges 64,256,1024
   launch.py train --resume --max-steps 2000         continue runs/latest for longer
@@ -218,6 +224,38 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return shown if shown else super()._format_action_invocation(action)
 
 
+class CommandHelpFormatter(argparse.HelpFormatter):
+    """``--help`` of the other commands (prepare, regenerate, eval, export, status, restart, clean): every
+    option shows its default, ``(default: X)`` appended unless its help line already says it (``off`` for a
+    yes/no flag; nothing for a required one); paragraphs of the description and epilog are wrapped, while
+    lines that start with two spaces (examples) and a paragraph's ``title:`` line are kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.required or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            value = "on" if action.default else "off"
+        elif action.default is None or action.default == []:
+            value = "none"
+        else:
+            value = show(action.default)
+        return f"{text} (default: {value})".replace("%", "%%")
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        out = []
+        for para in text.split("\n\n"):
+            lines = para.splitlines()
+            head = [lines.pop(0)] if lines and lines[0].rstrip().endswith(":") else []
+            if lines and all(ln.startswith("  ") for ln in lines):
+                out.append("\n".join(indent + ln for ln in head + lines))
+            else:
+                body = [textwrap.fill(" ".join(lines), width, initial_indent=indent,
+                                      subsequent_indent=indent)] if lines else []
+                out.append("\n".join([indent + h for h in head] + body))
+        return "\n\n".join(out)
+
+
 def _add_field(group, spec: FieldSpec) -> None:
     """The flags of one field: ``--SECTION.FIELD`` with its unscaled aliases, and one action per scaled alias."""
     plain = [a for a in spec.aliases if a.scale == 1]
@@ -252,9 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "--ALIAS VALUE ...]")
     ap.add_argument("--config", default=None, metavar="FILE",
                     help="TOML or YAML file with the sections of the configuration ([data], [ring], [producer], "
-                         "[trainer], [monitor], [nodes]) and the run's own keys; flags override it")
+                         "[trainer], [monitor], [nodes]) and the run's own keys, e.g. a recipe of configs/; "
+                         "flags override it (default: none)")
     ap.add_argument("--plan", action="store_true", help="print the resolved topology, sizes and which values came "
-                                                        "from CPU defaults; start nothing")
+                                                        "from CPU defaults; start nothing (default: off)")
     specs = list(field_specs().values())
     unknown = {s.group for s in specs} - set(GROUPS)
     assert not unknown, f"config fields in groups without a title: {unknown}"
@@ -404,12 +443,19 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def _same(spec: FieldSpec, new: Any, old: Any) -> bool:
-    """Whether a value given on ``--resume`` is the saved one: equal; the same path resolved; or, for a
-    field filled when the run starts, its default (which stands for what it was filled with)."""
+    """Whether a value given on ``--resume`` is the saved one: equal; the same path resolved (a hub id: the
+    directory it resolves to); or, for a field filled when the run starts, its default (which stands for what
+    it was filled with)."""
     if new == old or (spec.meta.get("filled_at_start") and new == spec.default):
         return True
     if spec.meta.get("path") and isinstance(new, str) and isinstance(old, str) and new and old:
-        return Path(new).resolve() == Path(old).resolve()
+        if spec.meta.get("hub") and not Path(new).expanduser().is_dir():  # a hub id: the run saved its directory
+            from specring.shared.hub import resolve_model_dir
+            try:
+                new = str(resolve_model_dir(new))
+            except ConfigError:
+                return False
+        return Path(new).expanduser().resolve() == Path(old).expanduser().resolve()
     return False
 
 

@@ -19,7 +19,7 @@ COMMANDS = {
     "eval": ("specring.cli.eval", "main",
              "acceptance length tau of a drafter by real speculative decoding with the target"),
     "export": ("specring.cli.export", "main",
-               "write a trained drafter as a DFlashDraftModel directory for SGLang/vLLM"),
+               "write a trained drafter in the format SGLang/vLLM load (DFlashDraftModel or LlamaForCausalLMEagle3)"),
     "status": ("specring.cli.ops", "status_main",
                "one line per process of a running run: pid, heartbeat, tokens/s, memory, ring occupancy"),
     "restart": ("specring.cli.ops", "restart_main",
@@ -31,14 +31,24 @@ COMMANDS = {
 }
 
 
+EXAMPLES = """\
+examples:
+  launch.py                                           train on the embedded default (fixture target, demo corpus)
+  launch.py prepare data/chat.jsonl --tokenizer Qwen/Qwen3-8B --output data/train.arrow
+  launch.py train --config configs/qwen3-8b.toml --data data/train.arrow --report-to tensorboard
+  launch.py status                                    the processes of the running run (runs/latest)
+  launch.py eval --drafter runs/latest                tau of the latest checkpoint against the baselines
+  launch.py export --drafter runs/latest --output exported/"""
+
+
 def usage() -> str:
-    """The text of ``launch.py --help``: every command with its one-line description."""
+    """The text of ``launch.py --help``: every command with its one-line description, then examples."""
     width = max(map(len, COMMANDS)) + 2
     lines = ["usage: launch.py [COMMAND] [FLAGS]", "",
-             "specring: train speculative-decoding drafters (DFlash) from a target LLM's hidden states.", "",
+             "specring: train speculative-decoding drafters (DFlash, EAGLE-3) from a target LLM's hidden states.", "",
              "commands (train when none is named):"]
     lines += [f"  {name:<{width}}{text}" for name, (_, _, text) in COMMANDS.items()]
-    lines += ["", "Run `launch.py COMMAND --help` for a command's flags, e.g. `launch.py train --help`."]
+    lines += ["", "Run `launch.py COMMAND --help` for a command's flags, e.g. `launch.py train --help`.", "", EXAMPLES]
     return "\n".join(lines)
 
 

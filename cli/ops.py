@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from specring.cli.flags import CommandHelpFormatter
 from specring.cli.main import description
 from specring.shared import paths
 from specring.shared.config import finite_number
@@ -32,7 +33,8 @@ def _address(run_dir: str) -> str:
 
 def status_main(argv: list[str]) -> int:
     """``launch.py status --run-dir R``: one line per process from the running supervisor."""
-    ap = argparse.ArgumentParser(prog="launch.py status", description=description("status") + " Exits with 1 "
+    ap = argparse.ArgumentParser(prog="launch.py status", formatter_class=CommandHelpFormatter,
+                                 description=description("status") + " Exits with 1 "
                                  "when no run is going in the run directory (its supervisor has exited).")
     ap.add_argument("--run-dir", default=str(latest_link()), help="the run to ask (default: runs/latest)")
     ap.add_argument("--json", action="store_true", help="print the raw status as JSON")
@@ -55,13 +57,22 @@ def status_main(argv: list[str]) -> int:
         print(json.dumps(d, indent=1))
         return 0
     print(f"run {d['run_id']}  step {d['step']}  trained {d['trained']}/{d['planned']} batches  loss {_fmt(d['loss'])}")
-    print(f"{'process':<12}{'pid':>8}{'gen':>5} {'state':<9}{'hb_age':>7}{'tok/s':>10}{'cpu%':>7}{'rss_MiB':>9}"
-          f"{'gpu_MiB':>9}{'restarts':>9}  {'ring F/W/R/r':<13} busy with")
+    for key, what, first in (("per_step_acc", "TTT step", 0), ("per_slot_acc", "block slot", 1)):
+        if d.get(key):  # the accuracy of the last optimizer step in metrics.jsonl, per draft position
+            accs = "  ".join(f"{i + first}:{_num(a, '.3f')}" for i, a in enumerate(d[key]))
+            print(f"{d.get('drafter', 'drafter')} accuracy per {what} (step {d.get('acc_step')}): {accs}")
+    b = d.get("balance") or {}
+    print(f"balance: producer duty cycle {_pct(b.get('producer_duty_cycle'))} (working, not waiting for a lease), "
+          f"consumer starvation {_pct(b.get('consumer_starvation'))} (waiting for a batch)")
+    print(f"{'process':<12}{'pid':>8}{'gen':>5} {'state':<9}{'hb_age':>7}{'tok/s':>10}{'duty':>6}{'starv':>6}"
+          f"{'cpu%':>7}{'rss_MiB':>9}{'gpu_MiB':>9}{'restarts':>9}  {'ring F/W/R/r':<13} busy with")
     for r in d["rows"]:
         ring = r.get("ring")
         ring_s = "{FREE}/{WRITING}/{READY}/{READING}".format(**ring) if ring else ""
         print(f"{r['role'] + '-' + str(r['index']):<12}{r['pid'] or '-':>8}{r['generation']:>5} {r['state']:<9}"
               f"{_num(r.get('heartbeat_age_s'), '.1f'):>7}{_num(r.get('tokens_per_s'), ',.0f'):>10}"
+              f"{_pct(r.get('duty_cycle')) if r['role'] == 'producer' else '':>6}"
+              f"{_pct(r.get('starvation')) if r['role'] == 'consumer' else '':>6}"
               f"{_num(r.get('cpu_percent'), '.0f'):>7}{_num(_mib(r.get('rss_bytes')), '.0f'):>9}"
               f"{_num(_mib(r.get('gpu_mem_bytes')), '.0f'):>9}{r['restarts']:>9}  {ring_s:<13} {_work(r)}")
     return 0
@@ -71,6 +82,11 @@ def _work(row: dict) -> str:
     """``batch 17 for 3.2s`` (what the child's main thread is on, from its last heartbeat), ``-`` when idle."""
     what, secs = row.get("work"), row.get("work_s")
     return f"{what} for {secs:.1f}s" if what and isinstance(secs, (int, float)) else "-"
+
+
+def _pct(x, none: str = "-") -> str:
+    """``0.934`` as ``93%``; ``none`` for a missing figure (e.g. the duty cycle of a consumer)."""
+    return none if not isinstance(x, (int, float)) or isinstance(x, bool) else f"{x:.0%}"
 
 
 def _mib(x):
@@ -83,7 +99,8 @@ def _num(x, spec: str) -> str:
 
 def restart_main(argv: list[str]) -> int:
     """``launch.py restart producer N --run-dir R``: graceful restart of one producer."""
-    ap = argparse.ArgumentParser(prog="launch.py restart", description="Gracefully restart one producer while "
+    ap = argparse.ArgumentParser(prog="launch.py restart", formatter_class=CommandHelpFormatter,
+                                 description="Gracefully restart one producer while "
                                  "training goes on: it finishes its current batch, exits, and comes back as a new "
                                  "generation; its published slots are still consumed.")
     ap.add_argument("role", choices=["producer"], help="only producers can be restarted")
@@ -105,7 +122,8 @@ def restart_main(argv: list[str]) -> int:
 
 def clean_main(argv: list[str]) -> int:
     """``launch.py clean``: remove segments, socket files and processes of runs whose supervisor is dead."""
-    ap = argparse.ArgumentParser(prog="launch.py clean", description=description("clean") + " A run whose "
+    ap = argparse.ArgumentParser(prog="launch.py clean", formatter_class=CommandHelpFormatter,
+                                 description=description("clean") + " A run whose "
                                  "launcher is alive (it holds RUN_DIR/.lock) is left alone; run directories under "
                                  "./runs are always looked in.")
     ap.add_argument("--run-dir", action="append", default=[], help="also look in this run directory (repeatable)")

@@ -56,6 +56,7 @@ from specring.shared.data.encode import (
 )
 from specring.shared.data.writer import _tokenizer_meta, report, write_dataset
 from specring.shared.errors import ConfigError
+from specring.shared.hub import resolve_model_dir
 from specring.shared.paths import DEFAULT_TARGET
 
 
@@ -144,11 +145,14 @@ def plan_summary(path: Path) -> str:
 
 
 def prepare_files(inputs: list[str], output: Path, *, tokenizer: Path, max_length: int, overlong: str,
-                  strict: bool, workers: int, progress: bool = True, chat_template: str | None = None) -> dict:
-    """Tokenize the rows of ``inputs`` (paths, directories or globs) into ``output``; returns the sidecar."""
+                  strict: bool, workers: int, progress: bool = True, chat_template: str | None = None,
+                  trust_remote_code: bool = False) -> dict:
+    """Tokenize the rows of ``inputs`` (paths, directories or globs) into ``output``; returns the sidecar.
+    ``trust_remote_code``: the tokenizer's own code may run (``--trust-remote-code``)."""
     files = expand_inputs(inputs)
-    tok = load_tokenizer(tokenizer)
-    cfg = EncoderConfig(str(tokenizer), max_length, overlong, vocab_size_of(tokenizer, tok), chat_template)
+    tok = load_tokenizer(tokenizer, trust_remote_code)
+    cfg = EncoderConfig(str(tokenizer), max_length, overlong, vocab_size_of(tokenizer, tok), chat_template,
+                        trust_remote_code)
     runner = Runner(cfg, workers)
     try:
         return write_dataset(runner, _tasks(files), output, inputs=[str(p) for p in files],
@@ -158,27 +162,48 @@ def prepare_files(inputs: list[str], output: Path, *, tokenizer: Path, max_lengt
         runner.close()
 
 
+HELP_EXAMPLES = """\
+examples:
+  launch.py prepare data/chat.jsonl --tokenizer Qwen/Qwen3-8B --output data/train.arrow --max-length 4096
+  launch.py prepare 'data/shards/*.parquet' --tokenizer /models/Qwen3-8B --output data/train.arrow --strict
+  launch.py prepare --demo                                the embedded default corpus (train + held-out)"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py prepare", description=(
+    """The parser of ``launch.py prepare``, its options grouped by concern, each with its default."""
+    from specring.cli.flags import CommandHelpFormatter
+
+    p = argparse.ArgumentParser(prog="launch.py prepare", formatter_class=CommandHelpFormatter, epilog=HELP_EXAMPLES,
+                                description=(
         "Tokenize JSONL/Parquet rows (text, chat messages/conversations, or input_ids with an optional loss_mask) "
         "into one Arrow IPC file, the data `launch.py train` reads, with a JSON sidecar of its statistics and "
         "bad rows; --demo builds the embedded default corpus (train + held-out)."))
-    p.add_argument("inputs", nargs="*", help="JSONL/Parquet files, directories or globs")
-    p.add_argument("--input", action="append", default=[], help="another input (repeatable)")
-    p.add_argument("--tokenizer", default=str(DEFAULT_TARGET), help="local Hugging Face tokenizer directory")
-    p.add_argument("--output", help="Arrow file to write (its sidecar gets the suffix .json)")
-    p.add_argument("--max-length", type=finite_number(int), default=None,
-                   help=f"tokens per sample (default 2048; {DEMO_MAX_LENGTH} for --demo)")
-    p.add_argument("--overlong", choices=("truncate", "drop"), default="truncate",
-                   help="what to do with samples longer than --max-length")
-    p.add_argument("--strict", action="store_true", help="stop with an error at the first bad row")
-    p.add_argument("--workers", type=finite_number(int), default=None,
-                   help="tokenizer processes, 1 = in this process (default: min(8, CPUs); 1 for --demo, whose "
-                        "whole-file batches the Rust tokenizer already spreads over threads)")
-    p.add_argument("--chat-template", help="a Jinja chat template file to use instead of the tokenizer's")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--demo", action="store_true", help="build the stdlib demo corpus (train + held-out)")
-    p.add_argument("--demo-dir", default=None, help="where --demo writes (default: ./data/demo)")
+    io = p.add_argument_group("input and output")
+    io.add_argument("inputs", nargs="*", help="JSONL/Parquet files, directories or globs")
+    io.add_argument("--input", action="append", default=[], help="another input (repeatable)")
+    io.add_argument("--output", help="Arrow file to write, its sidecar beside it with the suffix .json (required "
+                                     "unless --demo)")
+    tk = p.add_argument_group("tokenizer")
+    tk.add_argument("--tokenizer", default=str(DEFAULT_TARGET), metavar="DIR|ORG/NAME",
+                    help="the target's tokenizer: a directory or a hub id (Qwen/Qwen3-8B), resolved from the local "
+                         "Hugging Face cache (default: assets/tiny-code-lm)")
+    tk.add_argument("--trust-remote-code", action="store_true",
+                    help="let transformers run the tokenizer code the directory ships")
+    tk.add_argument("--chat-template", help="a Jinja chat template file to use instead of the tokenizer's")
+    sm = p.add_argument_group("samples")
+    sm.add_argument("--max-length", type=finite_number(int), default=None,
+                    help=f"tokens per sample (default 2048; {DEMO_MAX_LENGTH} for --demo)")
+    sm.add_argument("--overlong", choices=("truncate", "drop"), default="truncate",
+                    help="what to do with samples longer than --max-length")
+    sm.add_argument("--strict", action="store_true", help="stop with an error at the first bad row")
+    rn = p.add_argument_group("running")
+    rn.add_argument("--workers", type=finite_number(int), default=None,
+                    help="tokenizer processes, 1 = in this process (default: min(8, CPUs); 1 for --demo, whose "
+                         "whole-file batches the Rust tokenizer already spreads over threads)")
+    rn.add_argument("--no-progress", action="store_true", help="no progress bar")
+    dm = p.add_argument_group("demo corpus")
+    dm.add_argument("--demo", action="store_true", help="build the stdlib demo corpus (train + held-out)")
+    dm.add_argument("--demo-dir", default=None, help="where --demo writes (default: ./data/demo)")
     return p
 
 
@@ -191,8 +216,9 @@ def main(argv: list[str]) -> int:
         except ConfigError as e:
             raise ConfigError(f"--{e.key.replace('_', '-')}: {e.detail}", key=e.key, detail=e.detail) from None
         t0 = time.perf_counter()
+        tokenizer = resolve_model_dir(args.tokenizer, "--tokenizer")
         if args.demo:
-            train, heldout = build_demo(Path(args.demo_dir or paths.demo_dir()), tokenizer=Path(args.tokenizer),
+            train, heldout = build_demo(Path(args.demo_dir or paths.demo_dir()), tokenizer=tokenizer,
                                         max_length=args.max_length or DEMO_MAX_LENGTH, workers=args.workers or 1,
                                         progress=not args.no_progress)
             print(plan_summary(train))
@@ -205,10 +231,11 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--output is required (the Arrow file to write)")
         template = Path(args.chat_template).read_text() if args.chat_template else None
         output = Path(args.output)
-        side = prepare_files(inputs, output, tokenizer=Path(args.tokenizer), max_length=args.max_length or 2048,
+        side = prepare_files(inputs, output, tokenizer=tokenizer, max_length=args.max_length or 2048,
                              overlong=args.overlong, strict=args.strict,
                              workers=args.workers or min(8, os.cpu_count() or 1),
-                             progress=not args.no_progress, chat_template=template)
+                             progress=not args.no_progress, chat_template=template,
+                             trust_remote_code=args.trust_remote_code)
         print(report(side, output))
         print(plan_summary(output))
         return 0

@@ -103,14 +103,13 @@ class TransformersBackend:
 
     def __init__(self, target: str, device: str, dtype: str, batch_size: int, trust_remote_code: bool = False):
         import torch
-        from transformers import AutoModelForCausalLM
 
+        from specring.shared.hub import load_pretrained
         from specring.shared.models.target import resolve_device, resolve_dtype
         dev = resolve_device(device)
         self.device = dev
-        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=resolve_dtype(dtype, dev),
-                                                          local_files_only=True,
-                                                          trust_remote_code=trust_remote_code).to(dev).eval()
+        self.model = load_pretrained("causal_lm", target, dtype=resolve_dtype(dtype, dev),
+                                     trust_remote_code=trust_remote_code).to(dev).eval()
         self.batch_size = int(batch_size)
         self.torch = torch
 
@@ -244,15 +243,15 @@ class Settings:
                 "max_samples", "include_input", "seed", "shard_size")
 
 
-def stop_and_pad_ids(target: str) -> tuple[list[int], int]:
+def stop_and_pad_ids(target: str, trust_remote_code: bool = False) -> tuple[list[int], int]:
     """The target's stop tokens (generation config's, else config's ``eos_token_id``) and pad id."""
-    from transformers import AutoConfig, GenerationConfig
+    from specring.shared.hub import load_pretrained
     stop = None
     try:
-        stop = GenerationConfig.from_pretrained(target, local_files_only=True).eos_token_id
+        stop = load_pretrained("generation_config", target).eos_token_id
     except (OSError, ValueError):
         pass
-    cfg = AutoConfig.from_pretrained(target, local_files_only=True)
+    cfg = load_pretrained("config", target, trust_remote_code=trust_remote_code)
     if stop is None:
         stop = getattr(cfg, "eos_token_id", None)
     stop_ids = [] if stop is None else [int(s) for s in (stop if isinstance(stop, (list, tuple)) else [stop])]
@@ -320,7 +319,7 @@ def _worker(device: str, backend_name: str, st: Settings, shards: list[int], par
         from specring.shared.data.dataset import TokenDataset
         ds = TokenDataset(st.input)
         jobs_by_shard = shard_jobs(ds, st)[0]
-        stop_ids, pad_id = stop_and_pad_ids(st.target)
+        stop_ids, pad_id = stop_and_pad_ids(st.target, st.trust_remote_code)
         backend = make_backend(backend_name, st, device)
         for k in shards:
             res = run_shard(backend, ds, jobs_by_shard[k], st, stop_ids, pad_id, k,
@@ -344,7 +343,7 @@ def shard_jobs(ds, st: Settings) -> tuple[list[list[Job]], list[tuple[str, int, 
     """Plan every sample (``plan_job``), cut the good ones into shards of ``st.shard_size`` samples.
     Returns ``(shards, bad examples (kind, sample, source_row, detail), bad counts by kind)``."""
     n = len(ds) if st.max_samples <= 0 else min(len(ds), st.max_samples)
-    vocab = target_vocab_size(st.target)
+    vocab = target_vocab_size(st.target, st.trust_remote_code)
     jobs, bad, counts = [], [], collections.Counter()
     for i in range(n):
         ids, mask = ds[i]
@@ -362,11 +361,11 @@ def shard_jobs(ds, st: Settings) -> tuple[list[list[Job]], list[tuple[str, int, 
 _VOCAB: dict[str, int] = {}
 
 
-def target_vocab_size(target: str) -> int:
+def target_vocab_size(target: str, trust_remote_code: bool = False) -> int:
     """``vocab_size`` of the target's config (cached per path)."""
     if target not in _VOCAB:
         from specring.shared.models.target import check_checkpoint
-        _VOCAB[target] = int(check_checkpoint(target).vocab_size)
+        _VOCAB[target] = int(check_checkpoint(target, trust_remote_code).vocab_size)
     return _VOCAB[target]
 
 
@@ -418,28 +417,46 @@ def merge(parts: Path, num_shards: int, output: Path, st: Settings, meta: dict) 
 
 
 # ------------------------------------------------------------------------------------------------ command
+HELP_EXAMPLES = """\
+examples:
+  launch.py regenerate --target Qwen/Qwen3-8B --input data/train.arrow --output data/regen.arrow --backend vllm
+  launch.py regenerate --target /models/Qwen3-8B --input data/code.arrow --output data/regen.arrow \\
+      --prefix-len 256 --stride 512 --max-new-tokens 256 --devices cuda:0,cuda:1
+  (run the same command again to continue after a failure: finished shards are kept)"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="launch.py regenerate", description=(
+    """The parser of ``launch.py regenerate``, its options grouped by concern, each with its default."""
+    from specring.cli.flags import CommandHelpFormatter
+
+    p = argparse.ArgumentParser(prog="launch.py regenerate", formatter_class=CommandHelpFormatter, epilog=HELP_EXAMPLES,
+                                description=(
         "Write training data whose assistant turns (chat) or continuations (plain text) are generated by the "
-        "target itself; the loss mask covers exactly the generated tokens."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", required=True, help="target checkpoint directory (Hugging Face format)")
-    p.add_argument("--input", required=True, help="Arrow file from `launch.py prepare`")
-    p.add_argument("--output", required=True, help="Arrow file to write (sidecar .json beside it)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt / assistant turn")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
-    p.add_argument("--max-samples", type=int, default=0, help="regenerate only the first M input samples (0: all)")
-    p.add_argument("--prefix-len", type=int, default=256, help="plain text: prompt tokens")
-    p.add_argument("--stride", type=int, default=0, help="plain text: a prompt every S tokens (0: one per sample)")
-    p.add_argument("--include-input", action="store_true", help="also write the input samples unchanged (a mix)")
-    p.add_argument("--devices", default="auto", help="cpu, cuda:0,cuda:1, ... (auto: every GPU, else cpu)")
-    p.add_argument("--dtype", default="auto", help="target dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
-    p.add_argument("--batch-size", type=int, default=256, help="prompts per generate call (transformers backend)")
-    p.add_argument("--backend", default="auto", help="auto, transformers, vllm or sglang")
-    p.add_argument("--shard-size", type=int, default=1024, help="input samples per resumable shard")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
-    p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own modelling code")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        "target itself; the loss mask covers exactly the generated tokens."))
+    t = p.add_argument_group("target")
+    t.add_argument("--target", required=True, metavar="DIR|ORG/NAME",
+                   help="target checkpoint: a directory (Hugging Face format) or a hub id (Qwen/Qwen3-8B), resolved "
+                        "from the local Hugging Face cache")
+    t.add_argument("--trust-remote-code", action="store_true",
+                   help="let transformers (or vLLM/SGLang) run the modelling code the target ships")
+    t.add_argument("--dtype", default="auto", help="target dtype: auto (bf16 on GPU, fp32 on CPU), bfloat16, float32")
+    d = p.add_argument_group("data")
+    d.add_argument("--input", required=True, help="Arrow file from `launch.py prepare`")
+    d.add_argument("--output", required=True, help="Arrow file to write (sidecar .json beside it)")
+    d.add_argument("--max-samples", type=int, default=0, help="regenerate only the first M input samples (0: all)")
+    d.add_argument("--prefix-len", type=int, default=256, help="plain text: prompt tokens")
+    d.add_argument("--stride", type=int, default=0, help="plain text: a prompt every S tokens (0: one per sample)")
+    d.add_argument("--include-input", action="store_true", help="also write the input samples unchanged (a mix)")
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt / assistant turn")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    r = p.add_argument_group("running")
+    r.add_argument("--devices", default="auto", help="cpu, cuda:0,cuda:1, ... (auto: every GPU, else cpu)")
+    r.add_argument("--backend", default="auto", help="auto, transformers, vllm or sglang")
+    r.add_argument("--batch-size", type=int, default=256, help="prompts per generate call (transformers backend)")
+    r.add_argument("--shard-size", type=int, default=1024, help="input samples per resumable shard")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -473,8 +490,10 @@ def main(argv: list[str]) -> int:
                 raise ConfigError(f"--{flag.replace('_', '-')}: must be >= 0, got {getattr(args, flag)}")
         if not np.isfinite(args.temperature) or args.temperature < 0:
             raise ConfigError(f"--temperature: must be a finite number >= 0, got {args.temperature}")
+        from specring.shared.hub import resolve_model_dir
         from specring.shared.models.target import check_checkpoint
-        check_checkpoint(args.target)
+        args.target = str(resolve_model_dir(args.target, "--target"))
+        check_checkpoint(args.target, args.trust_remote_code)
         try:
             ds = TokenDataset(args.input)
         except (FileNotFoundError, ValueError) as e:

@@ -1,6 +1,7 @@
 """``launch.py train``: flags and ``--config FILE`` onto the configuration (``specring.cli.flags``, derived
 from the declaration in ``specring.shared.config``), the run resolved (``specring.supervisor.runplan``), then
-printed (``--plan``) or run by the supervisor.
+printed (``--plan``, with the producer:consumer ratio that balances the run's shape, from the rates a previous
+run of the same shape recorded: ``specring.shared.balance``) or run by the supervisor.
 
 Flags given on the command line override the file; everything is validated before any process starts, and
 errors name the flag.
@@ -42,6 +43,9 @@ def train_main(argv: list[str]) -> int:
         record = check_resume_data(cfg, plan)  # a resume onto other data or another plan stops here
         if args.plan:
             print(plan.describe(cfg))
+            from specring.shared.balance import balance_lines
+            from specring.shared.paths import runs_dir
+            print("\n".join(balance_lines(cfg.to_dict(), [runs_dir(), Path(cfg.run_dir).parent])))
             lines = cpu_default_lines(cfg)
             if lines:
                 print("CPU defaults (every device is CPU; a flag or --config value replaces them):")
@@ -63,6 +67,16 @@ def train_main(argv: list[str]) -> int:
             return 0
     from specring.shared.logs import configure_logging
     configure_logging("supervisor", log_file=Path(cfg.run_dir, "logs", "supervisor.log"))
+    try:  # EAGLE-3: the draft vocabulary, built once from the data (read back, never rebuilt, on --resume)
+        from specring.supervisor.resume import prepare_draft_vocab
+        if prepare_draft_vocab(cfg, plan) == "built":
+            print(f"draft vocabulary: {plan.draft_vocab_size} of the target's {plan.vocab_size} tokens, the most "
+                  f"frequent loss-carrying ones of {cfg.data.data} -> {Path(cfg.run_dir) / 'draft_vocab.safetensors'}",
+                  file=sys.stderr)
+    except ConfigError as e:
+        lock.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     from specring.supervisor.supervisor import Supervisor

@@ -1,7 +1,8 @@
 """The consumer process: ``python -m consumer.main --run-dir R --index I --generation G``.
 
 Receives ``SlotReady`` (routed by the coordinator), copies the slot's tensors to its device, releases the
-slot, and trains the DFlash drafter (``consumer.trainer.Trainer``). Consumer ``I`` is rank ``I`` of a
+slot, and trains the drafter (``consumer.trainer.Trainer``: DFlash, or EAGLE-3 with the run's draft vocabulary
+from ``RUN_DIR/draft_vocab.safetensors``). Consumer ``I`` is rank ``I`` of a
 ``torch.distributed`` group (gloo on CPU, NCCL on GPU) of all consumers.
 
 Slot safety (DESIGN.md, "The slot protocol"): the slot header is checked against the message (batch id,
@@ -14,8 +15,10 @@ A slot that fails verification is answered with ``BadBatch`` (the coordinator re
 ``Shutdown`` makes rank 0 write a final checkpoint (all ranks have finished the same steps by then).
 
 Heartbeats come from a thread of their own (``shared.procs.ChildContext``) with ``tokens_per_s``, ``step``,
-``gpu_mem_bytes`` and what the main thread is doing (``work``: ``batch N``, ``checkpoint step N``, ``eval
-step N prompt k/n``) for how long, so a slow step or checkpoint write is not a hang and a stuck one is.
+``tokens`` (target tokens this rank trained), ``gpu_mem_bytes`` and what the main thread is doing (``work``:
+``batch N``, ``checkpoint step N``, ``eval step N prompt k/n``) for how long, so a slow step or checkpoint
+write is not a hang and a stuck one is; and the balance figures ``busy_s``/``window_s``/``idle_tail_s``
+(``shared.balance``: idle = waiting for a delivered slot, i.e. starved).
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ def _init_distributed(ctx: ChildContext, device: torch.device):
 
 
 def body(ctx: ChildContext) -> None:
-    from specring.consumer.trainer import Trainer, dflash_config_from_run
+    from specring.consumer.trainer import CPU_MAX_MASK_ELEMS, Trainer, drafter_config_from_run
     from specring.shared.checkpoint import latest_checkpoint
 
     cfg = ctx.config
@@ -123,11 +126,15 @@ def body(ctx: ChildContext) -> None:
             for r in rings:
                 r.pin()
         rank, world, group = _init_distributed(ctx, device)
-        dcfg = dflash_config_from_run(cfg)
-        # CPU: small groups (per sequence) so no work is spent on other sequences' masked context
+        dcfg = drafter_config_from_run(cfg)
+        extra = {}
+        if cfg.trainer.drafter == "eagle3":  # the run's draft vocabulary, written once by the supervisor
+            from specring.shared.draft_vocab import read_draft_vocab
+            extra["draft_vocab"] = read_draft_vocab(ctx.run_dir, dcfg.draft_vocab_size, dcfg.vocab_size)
+        elif device.type != "cuda":  # CPU: small groups (per sequence) so no work is spent on other sequences' context
+            extra["max_mask_elems"] = CPU_MAX_MASK_ELEMS
         trainer = Trainer(cfg.trainer, dcfg, cfg.producer.target, device, ctx.run_dir, rank=rank,
-                          world_size=world, process_group=group,
-                          **({} if device.type == "cuda" else {"max_mask_elems": 2 ** 20}))
+                          world_size=world, process_group=group, **extra)
         if cfg.resume:  # another node than 0 reads node 0's checkpoints (a shared filesystem)
             path = latest_checkpoint(os.environ.get(CHECKPOINTS_ENV) or os.path.join(ctx.run_dir, "checkpoints"))
             if path is not None:
@@ -167,7 +174,7 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
 
     def stats() -> dict:  # called from the heartbeat thread
         now = time.monotonic()
-        out = {"tokens_per_s": tokens / max(1e-9, now - t0), "step": trainer.step_count}
+        out = {"tokens_per_s": tokens / max(1e-9, now - t0), "step": trainer.step_count, "tokens": tokens}
         if reader.device.type == "cuda":
             out["gpu_mem_bytes"] = torch.cuda.memory_allocated(reader.device)
         return out

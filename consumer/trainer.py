@@ -72,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 BATCH_KEYS = ("hidden", "input_ids", "loss_mask", "cu_seqlens")
 TARGET_LABEL_KEYS = ("target_ids", "target_topk_ids", "target_topk_logprobs")
+CPU_MAX_MASK_ELEMS = 2 ** 20  # a CPU consumer's max_mask_elems: small groups, no work on other sequences' context
 
 
 def dflash_config_from_run(run: RunConfig) -> DFlashConfig:
@@ -80,7 +81,21 @@ def dflash_config_from_run(run: RunConfig) -> DFlashConfig:
     p, t = run.producer, run.trainer
     return DFlashConfig.from_target(p.target, p.target_layer_ids, block_size=t.block_size,
                                     mask_token_id=t.mask_token_id, num_draft_layers=t.num_draft_layers,
-                                    num_target_layers=p.num_target_layers)
+                                    num_target_layers=p.num_target_layers,
+                                    trust_remote_code=p.trust_remote_code)
+
+
+def eagle3_config_from_run(run: RunConfig) -> Eagle3Config:
+    """The EAGLE-3 drafter config of a run: target and its three captured layers from ``run.producer``, draft
+    vocabulary size (capped at the target's vocabulary) and TTT steps from ``run.trainer``."""
+    p, t = run.producer, run.trainer
+    return Eagle3Config.from_target(p.target, p.target_layer_ids, draft_vocab_size=t.draft_vocab,
+                                    ttt_steps=t.ttt_steps)
+
+
+def drafter_config_from_run(run: RunConfig) -> DFlashConfig | Eagle3Config:
+    """``eagle3_config_from_run`` or ``dflash_config_from_run``, as ``run.trainer.drafter`` says."""
+    return eagle3_config_from_run(run) if run.trainer.drafter == "eagle3" else dflash_config_from_run(run)
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -222,14 +237,8 @@ class Trainer:
 
         self._metrics_path = self.run_dir / "metrics.jsonl"
         self._write_metrics = write_metrics and rank == 0
-        self._tb = None
-        if self._write_metrics:
+        if self._write_metrics:  # the supervisor sends these lines to the trackers (--report-to)
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-                self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
-            except Exception:  # tensorboard not installed: JSON lines only
-                self._tb = None
 
     # ------------------------------------------------------------------ one micro-batch
     def _reset_window(self) -> None:
@@ -318,8 +327,8 @@ class Trainer:
         A compiler failure (a toolchain the machine lacks, a torch without the needed support) is logged as an
         error naming the form given up, and the trainer falls back: compiled layers -> eager layers, then flex
         -> dense attention; the weights are the same either way, only the speed differs."""
-        if self.attention != "flex" and not self.compiled:
-            return 0.0
+        if (self.kind == "eagle3" or self.attention != "flex") and not self.compiled:
+            return 0.0  # EAGLE-3 never uses flex attention: only compiled layers need warming up
         t0 = time.perf_counter()
         try:
             self._warm_up_once()
@@ -327,7 +336,7 @@ class Trainer:
             if self.compiled:
                 logger.error("compile_failed form=compiled_layers fallback=eager_layers error=%s: %s",
                              type(e).__name__, str(e)[:500])
-                for layer in self.model.layers:
+                for layer in (self.model.layers if self.kind == "dflash" else [self.model.midlayer]):
                     layer._compiled_call_impl = None  # undo nn.Module.compile()
                 self.compiled = False
             else:
@@ -339,8 +348,10 @@ class Trainer:
 
     def _warm_up_once(self) -> None:
         n = 2 * self.cfg.block_size + 2
-        batch = {"hidden": torch.zeros(2 * n, self.dcfg.num_target_layers * self.dcfg.hidden_size, device=self.device),
-                 "input_ids": torch.full((2 * n,), self.dcfg.mask_token_id, dtype=torch.int32, device=self.device),
+        width = self.dcfg.num_target_layers * getattr(self.dcfg, "target_hidden_size", self.dcfg.hidden_size)
+        token = self.dcfg.mask_token_id if self.kind == "dflash" else 0
+        batch = {"hidden": torch.zeros(2 * n, width, device=self.device),
+                 "input_ids": torch.full((2 * n,), token, dtype=torch.int32, device=self.device),
                  "loss_mask": torch.ones(2 * n, dtype=torch.uint8, device=self.device),
                  "cu_seqlens": torch.tensor([0, n, 2 * n], dtype=torch.int32)}
         if self.cfg.label_source == "target":
@@ -385,7 +396,8 @@ class Trainer:
         Every ``grad_accum``-th call takes the optimizer step (all ranks must call ``step`` the same
         number of times) and returns the window's group-wide metrics with ``optimizer_step=True`` and
         ``batch_ids`` = every rank's ids of the window. Other calls return this micro-batch's local
-        metrics with ``optimizer_step=False``. Keys: ``step``, ``loss``, ``per_slot_acc`` (slots 1..B-1),
+        metrics with ``optimizer_step=False``. Keys: ``step``, ``loss``, ``per_slot_acc`` (DFlash: slots 1..B-1;
+        EAGLE-3: ``per_step_acc``, TTT steps 0..K-1),
         ``accept_proxy``, ``num_tokens``, ``tokens_per_s``, ``skipped``, ``optimizer_step``, ``batch_ids``,
         ``lr``, ``grad_norm``, ``num_blocks``, ``time``. Raises ``BadBatch`` for a malformed batch and
         after ``max_nonfinite_in_row`` non-finite windows in a row.
@@ -486,11 +498,6 @@ class Trainer:
             return
         with open(self._metrics_path, "a") as f:
             f.write(json.dumps(m) + "\n")
-        if self._tb is not None:
-            for key in ("loss", "accept_proxy", "tokens_per_s", "lr", "grad_norm"):
-                v = m.get(key)
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(f"train/{key}", v, m["step"])
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -567,7 +574,8 @@ class Trainer:
 
     def load_checkpoint(self, path: str | Path) -> Path:
         """Resume from ``path`` (step, checkpoints or run directory). Checks that the checkpoint's frozen
-        embedding/LM head are bit for bit the target's, restores the state and, on rank 0, drops lines of
+        embedding/LM head are bit for bit the target's (and, for EAGLE-3, that its draft vocabulary is the one
+        the trainer was built with; ``ValueError`` otherwise), restores the state and, on rank 0, drops lines of
         ``metrics.jsonl`` beyond the restored step. Returns the step directory used."""
         step_dir = ckpt.resolve_checkpoint(path)
         if ckpt.drafter_kind(step_dir) != self.kind:
@@ -577,6 +585,11 @@ class Trainer:
         for key, mine in self.model.frozen_state_dict().items():
             if key in tensors and not torch.equal(tensors[key], mine.cpu()):
                 raise ValueError(f"checkpoint {step_dir}: {key} differs from the target's in {self.target_dir}")
+        if self.kind == "eagle3":  # the run's draft vocabulary file and the checkpoint's must agree
+            for key in ("d2t", "t2d"):
+                if key in tensors and not torch.equal(tensors[key], getattr(self.model, key).cpu()):
+                    raise ValueError(f"checkpoint {step_dir}: its draft vocabulary ({key}) differs from the one this "
+                                     f"trainer was given (the run's draft_vocab.safetensors)")
         frozen = set(self.model.frozen_state_dict())
         state["model"] = {k: v for k, v in tensors.items() if k not in frozen}
         self.load_state_dict(state)
@@ -589,8 +602,3 @@ class Trainer:
         logger.info("resumed step=%d from=%s trained_batches=%d", self.step_count, step_dir,
                     len(self.trained_batch_ids))
         return step_dir
-
-    def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None

@@ -23,7 +23,8 @@ forward that takes longer than ``hang_timeout_s`` (``shared.procs.ChildContext``
 ``tokens_per_s`` (real tokens published over the last ~10 s), ``batches``, ``bad_batches``, ``tokens``,
 ``gpu_mem_bytes`` and ``gpu_mem_reserved_bytes`` (0 without CUDA), ``current_batch`` (-1 when idle), and
 ``work``/``work_s``: ``"batch N"`` or ``"publish batch N"`` and for how long (the monitor gives one batch
-``batch_timeout_s``).
+``batch_timeout_s``), and the balance figures ``busy_s``/``window_s``/``idle_tail_s`` (``shared.balance``:
+busy = forward + capture + slot write + publish; idle = waiting for a lease, i.e. for a free slot).
 
 Fault injection (tests and chaos drills only): the producer's hooks of ``shared.faults`` are applied here
 (slow writes, non-finite batches, helper processes, slow and stalled forwards).
@@ -97,8 +98,7 @@ class ProducerLoop:
                 log.warning("bad_message error=%r", str(msg))
             else:
                 log.warning("unexpected_message kind=%s", getattr(msg, "KIND", type(msg).__name__))
-        self.finish_pending()
-        self.ctx.heartbeat()  # the last figures
+        self.finish_pending()  # child_main sends the last heartbeat (the final figures)
 
     def on_lease(self, lease: messages.Lease) -> None:
         if lease.generation != self.ctx.generation:
@@ -177,7 +177,8 @@ def body(ctx: ChildContext) -> None:
             pass
         producer = Producer.from_config(cfg.producer, ctx.index, ring, ctx.generation,
                                         checksum=cfg.ring.checksum, slow_write_s=slow_write_s,
-                                        label_source=cfg.trainer.label_source, topk=cfg.trainer.distill_topk)
+                                        label_source=cfg.trainer.label_source,
+                                        topk=cfg.trainer.resolved_distill_topk())
         pad_id = pick_pad_id(ds, producer.hf_config)
         helpers = faults.start_helpers()  # tests only: processes the target code started and never stops
         forward_faults = faults.ForwardFaults(ctx.index, ctx.generation)

@@ -158,10 +158,11 @@ class Producer:
             raise ConfigError(f"producer index {index} has no device: producer.devices has "
                               f"{len(cfg.devices)} entries {cfg.devices}")
         resolve_device_group(cfg.devices[index])
-        num_layers = getattr(check_checkpoint(cfg.target), "num_hidden_layers", None)
+        num_layers = getattr(check_checkpoint(cfg.target, cfg.trust_remote_code), "num_hidden_layers", None)
         if isinstance(num_layers, int):  # fail on bad ids before spending time on the weights
             resolve_layer_ids(num_layers, cfg.target_layer_ids, cfg.num_target_layers)
-        model, hf_config = load_target(cfg.target, cfg.devices[index], cfg.dtype, random_weights=cfg.random_weights)
+        model, hf_config = load_target(cfg.target, cfg.devices[index], cfg.dtype, random_weights=cfg.random_weights,
+                                       trust_remote_code=cfg.trust_remote_code)
         ids = resolve_layer_ids(num_decoder_layers(model), cfg.target_layer_ids, cfg.num_target_layers)
         if inject_nonfinite is None:
             inject_nonfinite = faults.inject_nonfinite()

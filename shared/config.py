@@ -34,6 +34,9 @@ from specring.shared.errors import ConfigError
 from specring.shared.paths import DEFAULT_TARGET
 
 LABEL_SOURCES = ("target", "data")
+REPORT_BACKENDS = ("tensorboard", "wandb", "mlflow")   # --report-to (supervisor/reporting.py writes them)
+DRAFTERS = ("dflash", "eagle3")
+DEFAULT_EAGLE3_TOPK = 32             # top-K of the target's distribution an EAGLE-3 run learns by default
 
 
 MAX_SECONDS = 10**6                  # ~11.6 days: the longest duration any timeout or interval may ask for
@@ -60,21 +63,23 @@ def setting(default: Any = dataclasses.MISSING, *, help: str = "", aliases: tupl
             choices: tuple = (), cpu_default: Any = dataclasses.MISSING, resume: bool = False,
             group: str | None = None, metavar: str | None = None, default_text: str | None = None,
             machine_default: Callable[[], Any] | None = None, follows: str | None = None,
-            filled_at_start: bool = False, path: bool = False, ge: float | None = None,
+            filled_at_start: bool = False, path: bool = False, hub: bool = False, ge: float | None = None,
             gt: float | None = None, le: float | None = None, unit: str = "", **kw: Any) -> Any:
     """Declare a config field: its default and everything derived from it (see ``FieldSpec``).
 
     ``help`` is the one line ``--help`` shows (the default is appended); ``aliases`` are short flags
     (``"--lr"`` or ``Alias(...)``) besides ``--SECTION.FIELD-NAME``; ``choices`` the allowed values;
     ``cpu_default`` the default when every device is CPU; ``resume=True``: the value may change on
-    ``--resume``; ``path=True``: a file or directory (compared resolved); ``ge``/``gt``/``le``/``unit``:
+    ``--resume``; ``path=True``: a file or directory (compared resolved); ``hub=True``: a directory or a Hugging
+    Face hub id (``shared.hub.resolve_model_dir``, resolved when the run starts); ``ge``/``gt``/``le``/``unit``:
     bounds of a number (see ``num``); the other keywords are described on ``FieldSpec``. A list default is
     copied for each instance."""
     meta: dict[str, Any] = {"ge": ge, "gt": gt, "le": le, "unit": unit, "help": help,
                             "aliases": tuple(a if isinstance(a, Alias) else Alias(a) for a in aliases),
                             "choices": tuple(choices), "resume": resume, "group": group, "metavar": metavar,
                             "default_text": default_text, "machine_default": machine_default,
-                            "follows": follows, "filled_at_start": filled_at_start, "path": path}
+                            "follows": follows, "filled_at_start": filled_at_start, "path": path,
+                            "hub": hub}
     if cpu_default is not dataclasses.MISSING:
         meta["cpu_default"] = cpu_default
     if isinstance(default, list):
@@ -290,9 +295,15 @@ class RingConfig:
 class ProducerConfig:
     """The target model a producer runs and the layers whose hidden states it captures."""
     GROUP: ClassVar[str] = "target & capture"
-    target: str = setting(str(DEFAULT_TARGET), aliases=("--target",), path=True,
+    target: str = setting(str(DEFAULT_TARGET), aliases=("--target",), path=True, hub=True, metavar="DIR|ORG/NAME",
                           default_text="the embedded fixture, assets/tiny-code-lm",
-                          help="target checkpoint directory (Hugging Face format)")
+                          help="target checkpoint: a directory (Hugging Face format) or a hub id such as "
+                               "Qwen/Qwen3-8B[@revision], resolved once at start from the local Hugging Face "
+                               "cache (downloaded into it unless HF_HUB_OFFLINE=1); the run records the directory")
+    trust_remote_code: bool = setting(False, aliases=("--trust-remote-code",),
+                                      help="let transformers run the modelling and tokenizer code that the "
+                                           "target's directory ships (model families outside transformers), in "
+                                           "every process that loads the target or its tokenizer")
     devices: list[str] = setting(["cpu", "cpu"], aliases=("--producers",), group="topology",
                                  machine_default=lambda: default_devices()[0],
                                  default_text="cpu,cpu; with GPUs cuda:0,cuda:0 (1 or 2 GPUs), cuda:0,cuda:1 (3+)",
@@ -306,7 +317,8 @@ class ProducerConfig:
                                              filled_at_start=True,
                                              help="target layers whose hidden states are captured, DFlash ids "
                                                   "(id i = output of decoder layer i), e.g. 1,9,17,25,33; none: "
-                                                  "num_target_layers ids spread over the target")
+                                                  "num_target_layers ids spread over the target (eagle3: three, "
+                                                  "low/middle/high, default 1,L/2-1,L-4)")
     num_target_layers: int | None = num(None, ge=1, le=2**16, aliases=("--num-target-layers",),
                                         help="captured layers when target_layer_ids is none; none: 5 spread "
                                              "over 1..L-3, fewer on a target of under 8 layers")
@@ -327,12 +339,24 @@ class ProducerConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    """DFlash drafter and its optimisation (see ``shared/models/dflash.py`` and ``consumer/trainer.py``)."""
+    """The drafter (DFlash or EAGLE-3) and its optimisation (see ``shared/models/dflash.py``,
+    ``shared/models/eagle3.py`` and ``consumer/trainer.py``)."""
     GROUP: ClassVar[str] = "drafter & training"
     devices: list[str] = setting(["cpu"], aliases=("--consumers",), group="topology",
                                  machine_default=lambda: default_devices()[1],
                                  default_text="cpu; with GPUs cuda:0 (1 GPU), cuda:1 (2), cuda:2 (3+)",
                                  help="one consumer (a drafter trainer, one data-parallel rank) per device")
+    drafter: str = setting("dflash", aliases=("--drafter",), choices=DRAFTERS,
+                           help="drafter family: dflash (block drafter, shared/models/dflash.py) or eagle3 (one "
+                                "layer over three fused target layers, trained by training-time test, "
+                                "shared/models/eagle3.py)")
+    draft_vocab: int = num(32000, ge=1, le=2**24, aliases=("--draft-vocab",),
+                           help="eagle3: draft vocabulary size, the most frequent loss-carrying target tokens of "
+                                "the training data (capped at the target's vocabulary); built once per run into "
+                                "RUN_DIR/draft_vocab.safetensors")
+    ttt_steps: int = num(7, ge=1, le=64, aliases=("--ttt-steps",),
+                         help="eagle3: training-time test steps, the drafter unrolled on its own states (loss "
+                              "weight 0.8**k at step k)")
     block_size: int = num(16, ge=2, le=1024, aliases=("--block-size",),
                           help="DFlash block size B: tokens the drafter proposes at once, the anchor's included")
     num_anchors: int = num(512, ge=1, le=2**20, aliases=("--num-anchors",), cpu_default=32,
@@ -348,9 +372,12 @@ class TrainerConfig:
     label_source: str = setting("target", aliases=("--label-source",), choices=LABEL_SOURCES,
                                 help="what the drafter learns: target (the target's own greedy next tokens, "
                                      "computed by the producers) or data (the corpus's next tokens)")
-    distill_topk: int = num(0, ge=0, le=1024, aliases=("--distill-topk",),
-                            help="with label source target: the producers also send the target's top-K "
-                                 "log-probabilities and the KL divergence to them joins the loss; 0: off")
+    distill_topk: int | None = num(None, ge=0, le=1024, aliases=("--distill-topk",), filled_at_start=True,
+                                   default_text=f"none: 0 (off) for dflash, {DEFAULT_EAGLE3_TOPK} for eagle3",
+                                   help="with label source target: the producers also send the target's top-K "
+                                        "log-probabilities; DFlash adds the KL divergence to them to its loss, "
+                                        "EAGLE-3 learns that distribution restricted to the draft vocabulary; "
+                                        "0: off (EAGLE-3 then learns the target's greedy tokens)")
     distill_weight: float = num(1.0, ge=0, le=1e6, help="weight of that KL divergence in the loss")
     compile: bool | None = setting(None, help="torch.compile the draft layers; none: on CUDA")
     attention: str = setting("auto", choices=("auto", "flex", "dense", "structured"),
@@ -388,8 +415,18 @@ class TrainerConfig:
     def __post_init__(self):
         check_fields(self)
         _require(len(self.devices) >= 1, "devices", "at least one consumer device is needed")
-        _require(self.distill_topk == 0 or self.label_source == "target", "distill_topk",
+        _require(self.drafter != "eagle3" or self.label_source == "target", "label_source",
+                 "drafter eagle3 learns the target's distribution, which the producers compute only with "
+                 "label_source=target")
+        _require(not self.distill_topk or self.label_source == "target", "distill_topk",
                  "needs label_source=target (the producer computes the target's distribution only then)")
+
+    def resolved_distill_topk(self) -> int:
+        """``distill_topk``, its none resolved: 0 (off) for DFlash, ``DEFAULT_EAGLE3_TOPK`` for EAGLE-3 (the
+        run plan fills the field with it, so the saved configuration holds the number)."""
+        if self.distill_topk is not None:
+            return int(self.distill_topk)
+        return DEFAULT_EAGLE3_TOPK if self.drafter == "eagle3" else 0
 
     def resolved_gamma(self) -> float:
         """The loss-decay γ for this block size (DFlash paper defaults: 7 / 5 / 4 for B = 16 / 10 / 8)."""
@@ -517,6 +554,13 @@ class RunConfig:
     resume: bool = setting(False, help="continue the run in --run-dir from its latest checkpoint, with its saved "
                                        "configuration; only flags whose help says 'may change on --resume' may "
                                        "differ from the saved run")
+    report_to: list[str] = setting([], resume=True, metavar="BACKEND,...",
+                                   default_text="none",
+                                   help="experiment trackers that receive the run's figures (loss, per-slot "
+                                        "accuracy, tau, tokens/s, ring occupancy, producer restarts), a comma "
+                                        f"list of none, {', '.join(REPORT_BACKENDS)}; a tracker that is not "
+                                        "installed is an error at start; wandb runs offline unless WANDB_API_KEY "
+                                        "or WANDB_MODE say otherwise")
     tcp: str = setting("", group="topology", metavar="ADDRESS", default_text="an ipc socket in the run directory",
                        help="TCP address for the control messages, e.g. tcp://127.0.0.1:5555")
     data: DataConfig = field(default_factory=DataConfig)
@@ -529,6 +573,10 @@ class RunConfig:
     def __post_init__(self):
         if self.run_id:
             _require(str(self.run_id).isalnum(), "run_id", f"must be alphanumeric, got {self.run_id!r}")
+        names = [str(x).strip().lower() for x in self.report_to]
+        bad = [x for x in names if x not in ("none", "") + REPORT_BACKENDS]
+        _require(not bad, "report_to", f"unknown tracker(s) {bad}; known: none, {', '.join(REPORT_BACKENDS)}")
+        self.report_to = list(dict.fromkeys(x for x in names if x not in ("none", "")))
         self.sources: dict[str, str] = {}
         self.cpu_defaults: dict[str, Any] = {}
         self.resume_changes: list[str] = []
@@ -584,7 +632,8 @@ class FieldSpec:
     ``help``; ``ge``/``gt``/``le``/``unit`` (bounds); ``aliases`` (``Alias`` flags besides ``flag``);
     ``choices``; ``cpu_default`` (the default when every device is CPU, present only when declared);
     ``resume`` (may change on ``--resume``); ``group`` (``--help`` group, else the class's ``GROUP``);
-    ``metavar``; ``path`` (a file or directory: shown as PATH, compared resolved); ``default_text`` (how
+    ``metavar``; ``path`` (a file or directory: shown as PATH, compared resolved); ``hub`` (a directory or a
+    Hugging Face hub id, resolved to the directory when the run starts); ``default_text`` (how
     ``--help`` shows the default when the value alone does not say it);
     ``machine_default`` (a callable giving the command line's default on this machine); ``follows`` (the
     key of a field whose value this one takes when only that one is set); ``filled_at_start`` (the

@@ -60,3 +60,34 @@ def resolve_model_dir(spec: str | Path, flag: str = "--target") -> Path:
         raise ConfigError(f"{flag}: {repo} is not in the local Hugging Face cache ({cache}) and could not be "
                           f"downloaded ({type(e).__name__}: {str(e)[:200]}); pass the checkpoint's directory "
                           "or fill the cache first") from None
+
+
+# transformers' loaders by what they load: every from_pretrained of a target, its tokenizer or its configs
+LOADERS = {"config": "AutoConfig", "tokenizer": "AutoTokenizer", "causal_lm": "AutoModelForCausalLM",
+           "generation_config": "GenerationConfig"}
+
+
+def load_pretrained(kind: str, model_dir: str | Path, *, trust_remote_code: bool = False, flag: str = "--target",
+                    **kwargs):
+    """``transformers.<Auto class>.from_pretrained(model_dir, local_files_only=True, trust_remote_code=...,
+    **kwargs)``: the one place where specring asks transformers for a target's config (``kind="config"``),
+    tokenizer (``"tokenizer"``), model (``"causal_lm"``) or generation config (``"generation_config"``), so that
+    ``--trust-remote-code`` reaches every such load in every process.
+
+    ``model_dir`` is a local directory (hub ids are resolved once, at start, by ``resolve_model_dir``); nothing
+    is downloaded. ``trust_remote_code`` lets transformers import the Python modules the directory names in its
+    ``auto_map`` (model families outside transformers). A load refused because the directory ships its own
+    code and ``trust_remote_code`` is off raises ``ConfigError`` naming ``flag`` and ``--trust-remote-code``;
+    any other error of transformers propagates unchanged.
+    """
+    import transformers
+
+    cls = getattr(transformers, LOADERS[kind])
+    try:
+        return cls.from_pretrained(str(model_dir), local_files_only=True, trust_remote_code=trust_remote_code,
+                                   **kwargs)
+    except ValueError as e:
+        if not trust_remote_code and "trust_remote_code" in str(e):
+            raise ConfigError(f"{flag}: {model_dir} ships its own modelling or tokenizer code (auto_map); pass "
+                              f"--trust-remote-code to let transformers run it") from None
+        raise

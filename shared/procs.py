@@ -40,6 +40,7 @@ from typing import Callable
 import psutil
 import zmq
 
+from specring.shared.balance import DutyClock
 from specring.shared.config import RunConfig
 from specring.shared.logs import configure_logging
 from specring.shared.paths import IMPORT_ROOT
@@ -185,6 +186,10 @@ class ChildContext:
     ``tick()`` once per turn of its loop. A process that is stopped (SIGSTOP) or stuck holding the GIL sends
     no heartbeat at all.
 
+    Balance: the time inside outermost ``working()`` blocks is the process's busy time (``duty``, a
+    ``shared.balance.DutyClock``); every heartbeat carries ``busy_s``, ``window_s`` and ``idle_tail_s``, from
+    which the supervisor derives a producer's duty cycle and a consumer's starvation.
+
     The socket is used by both threads, never at once (``_sock_lock``); use ``send``/``recv``, not ``sock``.
     """
     role: str
@@ -199,6 +204,7 @@ class ChildContext:
     parent_pid: int = field(default_factory=os.getppid)
     stats: Callable[[], dict] | None = None   # the role's heartbeat figures (tokens_per_s, ...)
     _work: tuple[str, float] = field(default_factory=lambda: ("", time.monotonic()))  # (what, since): one store
+    duty: DutyClock = field(default_factory=DutyClock, repr=False)  # busy time of the main thread (balance)
     _sock_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _hb_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _hb_stop: threading.Event = field(default_factory=threading.Event, repr=False)
@@ -240,9 +246,11 @@ class ChildContext:
         clock) is back when the inner block ends."""
         outer = self._work
         self._work = (what or "work", time.monotonic())
+        self.duty.start()
         try:
             yield
         finally:
+            self.duty.stop()
             self._work = outer if outer[0] else ("", time.monotonic())
 
     def progress(self, what: str) -> None:
@@ -268,6 +276,7 @@ class ChildContext:
                     stats = {"stats_error": f"{type(e).__name__}: {e}"[:200]}
             stats.update(extra)
             stats.update(self.work_stats())
+            stats.update(self.duty.figures())
             return self.send(messages.Heartbeat(role=self.role, index=self.index, generation=self.generation,
                                                 pid=os.getpid(), stats=stats), block=block)
 
@@ -375,9 +384,10 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
 
     Parses ``--run-dir/--index/--generation``, sets the title and parent-death signal, installs
     SIGTERM/SIGINT handlers that only set the stop flag, connects the DEALER socket, runs ``body(ctx)``
-    inside try/finally, and on an exception sends a fatal ``Error`` to the coordinator before exiting 1.
-    The body calls ``ctx.ready()`` (which sends ``Hello`` and starts the heartbeat thread) once it can take
-    work; the thread is stopped before the socket is closed.
+    inside try/finally, and on an exception sends a fatal ``Error`` to the coordinator before exiting 1; a
+    body that returns is followed by one last ``Heartbeat`` (its final figures). The body calls
+    ``ctx.ready()`` (which sends ``Hello`` and starts the heartbeat thread) once it can take work; the thread
+    is stopped before the socket is closed.
     """
     ap = argparse.ArgumentParser(description=module_doc)
     ap.add_argument("--run-dir", required=True)
@@ -406,6 +416,8 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
     code = EXIT_OK
     try:
         body(ctx)
+        if ctx.said_hello:
+            ctx.heartbeat(block=False)  # the last figures (balance: the busy time up to the exit)
         log.info("exit reason=%s", ctx.stop_reason or "done")
     except BaseException as e:  # report everything, SystemExit included, then exit non-zero
         code = EXIT_ERROR

@@ -1,7 +1,7 @@
 """The coordinator's logic: the batch ledger, slot states, leases, routing and fencing — no sockets.
 
 ``Coordinator`` is a pure state machine. The supervisor's loop feeds it events (messages received,
-producers started or dead) and sends what ``pump()`` returns. Tests drive it directly.
+producers dead) and lets ``pump(send)`` hand out what can go now. Tests drive it directly.
 
 What it guarantees:
 
@@ -12,11 +12,19 @@ What it guarantees:
 * **Deterministic order.** Batches are delivered in ``order``, round robin over consumers (delivery k goes
   to consumer k mod M), whatever the number and speed of producers, so a run and its resume train the same
   batches in the same order on every rank.
-* **Fencing.** Each producer incarnation has a generation. ``producer_died`` bumps it; any message that
-  carries another generation is rejected (logged, counted, never acted on). A dead producer's WRITING slots
-  become FREE only when the supervisor reports it dead, which it does only after it has reaped the process.
+* **Fencing.** It is the one owner of generations: every child incarnation has one (``generation``; a
+  child runs as, and is addressed by, the generation it was started with). ``producer_died`` bumps a
+  producer's; a message from, or carrying, another generation is rejected (``fenced``: logged, counted,
+  never acted on). A dead producer's WRITING slots become FREE only when the supervisor reports it dead,
+  which it does only after it has reaped the process.
 * **Back-pressure.** A producer is leased a batch only with a FREE slot of its own ring; a consumer is
   delivered a slot only while it holds fewer than ``max_unreleased`` unreleased slots.
+* **Nothing to roll back.** Leases and deliveries go only to peers that said Hello, and ``pump`` records
+  one only once its ``send`` has queued it: a send that fails (the peer is gone or does not read; a send
+  never blocks) leaves the ledger as it was. A consumer whose delivery could not be sent gets nothing more
+  until it says Hello again; a producer is tried again at the next ``pump``. (Several nodes: a send to a
+  child of another node is only queued to that node's supervisor; when the node reports it could not pass it
+  on, ``undeliver``/``unlease`` take it back.)
 * **Locality (several nodes).** With ``producer_nodes``/``consumer_nodes`` (the node of each producer and
   consumer, global indices), hidden states never leave their node: a batch is leased only to a producer of the
   node whose consumer will take it (delivery k goes to consumer k mod M, so the consumer of every batch in the
@@ -35,7 +43,7 @@ import heapq
 import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from specring.shared.data.dataset import Batch
 from specring.shared.transport import messages as m
@@ -55,9 +63,11 @@ class Slot:
 
 @dataclass
 class ProducerState:
-    generation: int = 1
     live: bool = False          # a Hello of the current generation has arrived
     slots: list[Slot] = field(default_factory=list)
+
+
+Send = Callable[[str, int, Any], bool]  # (role, index, message) -> queued; never blocks
 
 
 class Coordinator:
@@ -85,6 +95,7 @@ class Coordinator:
         self.num_consumers = num_consumers
         self.max_unreleased = max_unreleased
         self.producers = [ProducerState(slots=[Slot() for _ in range(num_slots)]) for _ in range(num_producers)]
+        self.generations = {"producer": [1] * num_producers, "consumer": [1] * num_consumers}
         self._lease_heap: list[tuple[int, int]] = [(self.position[b], b) for b in self.order]
         heapq.heapify(self._lease_heap)
         self.where: dict[int, tuple[int, int]] = {}          # batch id → (producer, slot) while in a ring
@@ -131,7 +142,26 @@ class Coordinator:
         """Batches of the order that were neither trained nor marked bad (non-empty only if the run stopped early)."""
         return [b for b in self.order if b not in self.trained and b not in self.bad]
 
-    # ------------------------------------------------------------------ producer life cycle
+    # ------------------------------------------------------------------ generations
+    def generation(self, role: str, index: int) -> int:
+        """The current generation of child ``role`` ``index``: the one to start it as and to address."""
+        return self.generations[role][index]
+
+    def fenced(self, role: str, index: int, generation: int, what: str) -> bool:
+        """Whether a message ``what`` of ``role`` ``index`` from, or about, ``generation`` must be rejected: no
+        such child, or not its current generation (counted in ``rejected`` and logged)."""
+        gens = self.generations.get(role, [])
+        if not (isinstance(index, int) and 0 <= index < len(gens)):
+            self.rejected[f"bad_{role}_index"] += 1
+            log.warning("reject %s %s=%s reason=no_such_%s", what, role, index, role)
+            return True
+        if generation != gens[index]:
+            self.rejected["stale_generation"] += 1
+            log.warning("reject %s %s=%d generation=%s current=%d reason=stale_generation", what, role, index,
+                        generation, gens[index])
+            return True
+        return False
+
     def producer_died(self, p: int) -> int:
         """Producer ``p`` has exited and been reaped: fence it and reclaim its unpublished slots.
 
@@ -146,24 +176,12 @@ class Coordinator:
                 self.where.pop(s.batch_id, None)
                 heapq.heappush(self._lease_heap, (self.position[s.batch_id], s.batch_id))
                 ps.slots[i] = Slot()
-        ps.generation += 1
+        self.generations["producer"][p] += 1
         ps.live = False
-        log.info("fence producer=%d generation=%d requeued=%s", p, ps.generation, reclaimed)
-        return ps.generation
+        log.info("fence producer=%d generation=%d requeued=%s", p, self.generation("producer", p), reclaimed)
+        return self.generation("producer", p)
 
     # ------------------------------------------------------------------ messages
-    def _fenced(self, p: int, generation: int, what: str) -> bool:
-        if not 0 <= p < len(self.producers):
-            self.rejected["bad_producer_index"] += 1
-            log.warning("reject %s producer=%s reason=no_such_producer", what, p)
-            return True
-        if generation != self.producers[p].generation:
-            self.rejected["stale_generation"] += 1
-            log.warning("reject %s producer=%d generation=%d current=%d reason=stale_generation",
-                        what, p, generation, self.producers[p].generation)
-            return True
-        return False
-
     def _slot(self, p: int, slot: int, what: str) -> Slot | None:
         if not 0 <= p < len(self.producers):
             self.rejected["bad_producer_index"] += 1
@@ -177,16 +195,17 @@ class Coordinator:
         return slots[slot]
 
     def on_hello(self, role: str, index: int, generation: int) -> None:
+        """Child ``role`` ``index`` of ``generation`` is connected and takes work (ignored when fenced)."""
+        if self.fenced(role, index, generation, "hello"):
+            return
         if role == "producer":
-            if self._fenced(index, generation, "hello"):
-                return
             self.producers[index].live = True
-        elif role == "consumer" and 0 <= index < self.num_consumers:
+        else:
             self.consumer_live[index] = True
 
     def on_slot_ready(self, msg: m.SlotReady) -> bool:
         """A producer published a slot; returns False if the message was rejected."""
-        if self._fenced(msg.producer, msg.generation, "slot_ready"):
+        if self.fenced("producer", msg.producer, msg.generation, "slot_ready"):
             return False
         s = self._slot(msg.producer, msg.slot, "slot_ready")
         if s is None or s.state != WRITING or s.batch_id != msg.batch_id:
@@ -215,7 +234,7 @@ class Coordinator:
                 self.redeliver_to[msg.batch_id] = s_consumer  # same rank, same turn: DP ranks stay in step
                 heapq.heappush(self._lease_heap, (self.position[msg.batch_id], msg.batch_id))
             return
-        if self._fenced(msg.producer, msg.generation, "bad_batch"):
+        if self.fenced("producer", msg.producer, msg.generation, "bad_batch"):
             return
         s = self._slot(msg.producer, msg.slot, "bad_batch")
         if s is None or s.state != WRITING or s.batch_id != msg.batch_id:
@@ -273,35 +292,21 @@ class Coordinator:
                 self.loss_first = msg.loss
             self.loss_last = msg.loss
 
-    def undeliver(self, msg: m.SlotReady, consumer: int) -> None:
-        """A delivery could not be sent (the consumer is not connected): the slot is READY again and the
-        batch goes back to the head of the queue, for the same consumer."""
-        s = self.producers[msg.producer].slots[msg.slot]
-        if s.state != READING or s.batch_id != msg.batch_id:
-            return
-        s.state, s.consumer = READY, -1
-        self.unreleased[consumer] -= 1
-        self.delivered_ids.discard(msg.batch_id)
-        self.ready_msgs[(msg.producer, msg.slot)] = msg
-        self.to_deliver.appendleft(msg.batch_id)
-        self.redeliver_to[msg.batch_id] = consumer
-        self.consumer_live[consumer] = False  # until it says Hello (again)
-
-    def unlease(self, lease: m.Lease, producer: int) -> None:
-        """A lease could not be sent: its slot is FREE again and the batch back in the lease queue."""
-        ps = self.producers[producer]
-        s = ps.slots[lease.slot]
-        if s.state != WRITING or s.batch_id != lease.batch_id or s.generation != lease.generation:
-            return
-        ps.slots[lease.slot] = Slot()
-        self.where.pop(lease.batch_id, None)
-        heapq.heappush(self._lease_heap, (self.position[lease.batch_id], lease.batch_id))
-
     # ------------------------------------------------------------------ actions
-    def pump(self) -> list[tuple[str, int, Any]]:
-        """Leases and deliveries that can go out now: a list of ``(role, index, message)``."""
+    def pump(self, send: Send | None = None) -> list[tuple[str, int, Any]]:
+        """Hand out the leases and deliveries that can go now; returns them as ``(role, index, message)``.
+
+        Each one is first handed to ``send(role, index, message)`` and recorded in the ledger only when that
+        returns True (``send=None``: every send succeeds). A delivery that cannot be sent stops the
+        deliveries (they go strictly in order) and marks its consumer not live until its next Hello; a lease
+        that cannot be sent is not tried on that producer again in this call.
+        """
+        send = send or (lambda role, index, msg: True)
+        return self._deliver(send) + self._lease(send)
+
+    def _deliver(self, send: Send) -> list[tuple[str, int, Any]]:
+        """Deliveries, strictly in plan order, round robin over the live consumers with credit."""
         out: list[tuple[str, int, Any]] = []
-        # deliveries, strictly in order
         while self.to_deliver:
             b = self.to_deliver[0]
             if b in self.bad:
@@ -321,6 +326,10 @@ class Coordinator:
                 break
             if not self.consumer_live[c] or self.unreleased[c] >= self.max_unreleased:
                 break
+            msg = self.ready_msgs[(p, i)]
+            if not send("consumer", c, msg):
+                self.consumer_live[c] = False  # not connected (or not reading): nothing more until its Hello
+                break
             self.to_deliver.popleft()
             if redelivery:
                 del self.redeliver_to[b]
@@ -329,13 +338,21 @@ class Coordinator:
             self.unreleased[c] += 1
             s.state, s.consumer = READING, c
             self.delivered_ids.add(b)
-            out.append(("consumer", c, self.ready_msgs.pop((p, i))))
+            del self.ready_msgs[(p, i)]
+            out.append(("consumer", c, msg))
+        return out
+
+    def _lease(self, send: Send) -> list[tuple[str, int, Any]]:
+        """Leases, lowest plan position first, each to the live producer with the most FREE slots (several
+        nodes: of the node whose consumer will take the batch)."""
+        out: list[tuple[str, int, Any]] = []
         if self.multi_node:
             self._make_room_for_head()
-        # leases, lowest plan position first, to the live producer with most free slots (of the batch's node)
+        refused: set[int] = set()  # producers whose lease could not be sent in this call
         passed: list[tuple[int, int]] = []   # batches whose node has no free slot now (several nodes)
         while self._lease_heap and len(passed) <= self._max_passed():
-            free = [(sum(s.state == FREE for s in ps.slots), -p) for p, ps in enumerate(self.producers) if ps.live]
+            free = [(sum(s.state == FREE for s in ps.slots), -p) for p, ps in enumerate(self.producers)
+                    if ps.live and p not in refused]
             free = [f for f in free if f[0] > 0]
             if not free:
                 break
@@ -349,20 +366,51 @@ class Coordinator:
                 if not free:
                     passed.append(item)
                     continue
-            _, neg_p = max(free)
-            p = -neg_p
+            p = -max(free)[1]
             ps = self.producers[p]
             i = next(k for k, s in enumerate(ps.slots) if s.state == FREE)
-            ps.slots[i] = Slot(state=WRITING, batch_id=b, generation=ps.generation)
-            self.where[b] = (p, i)
+            gen = self.generation("producer", p)
             info = self.batches[b]
-            out.append(("producer", p, m.Lease(batch_id=b, slot=i, generation=ps.generation, epoch=info.epoch,
-                                               sample_ids=list(info.sample_ids), pad_to=info.pad_to)))
+            msg = m.Lease(batch_id=b, slot=i, generation=gen, epoch=info.epoch, sample_ids=list(info.sample_ids),
+                          pad_to=info.pad_to)
+            if not send("producer", p, msg):
+                refused.add(p)
+                heapq.heappush(self._lease_heap, item)
+                continue
+            ps.slots[i] = Slot(state=WRITING, batch_id=b, generation=gen)
+            self.where[b] = (p, i)
+            out.append(("producer", p, msg))
         for item in passed:
             heapq.heappush(self._lease_heap, item)
         return out
 
     # ------------------------------------------------------------------ several nodes
+    def undeliver(self, msg: m.SlotReady, consumer: int) -> None:
+        """Several nodes: a delivery that node 0 queued to another node's supervisor could not be passed on to
+        its consumer (``send_failed`` from that node). The slot is READY again and the batch back at the head
+        of the delivery queue, for the same consumer, which gets nothing more until it says Hello again.
+        Ignored when the slot no longer reads that batch."""
+        s = self._slot(msg.producer, msg.slot, "undeliver")
+        if s is None or s.state != READING or s.batch_id != msg.batch_id or s.consumer != consumer:
+            return
+        s.state, s.consumer = READY, -1
+        self.unreleased[consumer] -= 1
+        self.delivered_ids.discard(msg.batch_id)
+        self.ready_msgs[(msg.producer, msg.slot)] = msg
+        self.to_deliver.appendleft(msg.batch_id)
+        self.redeliver_to[msg.batch_id] = consumer
+        self.consumer_live[consumer] = False
+
+    def unlease(self, lease: m.Lease, producer: int) -> None:
+        """Several nodes: a lease that another node's supervisor could not pass on to its producer. Its slot is
+        FREE again and the batch back in the lease queue. Ignored when the slot no longer holds that lease."""
+        s = self._slot(producer, lease.slot, "unlease")
+        if s is None or s.state != WRITING or s.batch_id != lease.batch_id or s.generation != lease.generation:
+            return
+        self.producers[producer].slots[lease.slot] = Slot()
+        self.where.pop(lease.batch_id, None)
+        heapq.heappush(self._lease_heap, (self.position[lease.batch_id], lease.batch_id))
+
     def _max_passed(self) -> int:
         """How many batches of saturated nodes one pump looks past for a batch of a node with room: a window of
         a few rounds of every consumer, so a pump stays short whatever the length of the queue."""

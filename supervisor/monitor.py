@@ -37,7 +37,6 @@ class Child:
     """One child process slot (the process itself changes across restarts)."""
     role: str
     index: int
-    generation: int = 1
     proc: subprocess.Popen | None = None
     state: str = "new"             # new | starting | running | backoff | stopping | exited | failed
     started_at: float = 0.0

@@ -37,7 +37,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 
@@ -386,17 +386,38 @@ class RelayCoordinator:
                                  index=p + self.topo.offset("producer")))
         return self.generations[p]
 
+    def generation(self, role: str, index: int) -> int:
+        """The generation of local child ``role`` ``index`` (producers mirror node 0's fencing; consumers are
+        never restarted, so stay at 1)."""
+        return self.generations[index] if role == "producer" else 1
+
+    def fenced(self, role: str, index: int, generation: int, what: str) -> bool:
+        """As ``Coordinator.fenced``, for this node's children (local indices); node 0 fences again."""
+        count = len(self.generations) if role == "producer" else self.topo.consumers[self.topo.node_rank]
+        if not (isinstance(index, int) and 0 <= index < count):
+            self.rejected[f"bad_{role}_index"] += 1
+            log.warning("reject %s %s=%s reason=no_such_%s", what, role, index, role)
+            return True
+        if generation != self.generation(role, index):
+            self.rejected["stale_generation"] += 1
+            log.warning("reject %s %s=%d generation=%s current=%d reason=stale_generation", what, role, index,
+                        generation, self.generation(role, index))
+            return True
+        return False
+
     def _send_failed(self, role: str, index: int, msg) -> None:
         self.link.send(m.NodeMsg(node=self.topo.node_rank, event="send_failed", role=role,
                                  index=index + self.topo.offset(role), body=m.encode(to_global(msg, self.topo))))
 
-    def undeliver(self, msg, consumer: int) -> None:
-        self._send_failed("consumer", consumer, msg)
-
-    def unlease(self, lease, producer: int) -> None:
-        self._send_failed("producer", producer, lease)
-
-    def pump(self) -> list:
-        out = list(self.inbox)
-        self.inbox.clear()
+    def pump(self, send: Callable[[str, int, Any], bool] | None = None) -> list:
+        """Pass what node 0 sent to the local children through ``send(role, local index, message)``; one that
+        cannot be queued goes back to node 0 as ``send_failed`` (node 0 takes the lease or delivery back).
+        Returns what was sent."""
+        out = []
+        while self.inbox:
+            role, index, msg = self.inbox.popleft()
+            if send is None or send(role, index, msg):
+                out.append((role, index, msg))
+            else:
+                self._send_failed(role, index, msg)
         return out

@@ -3,7 +3,9 @@
 On a terminal it is a tqdm bar whose postfix carries the figures. Elsewhere (CI, a log file, a service)
 it is a ``progress step=.../... loss=... tokens_per_s=... rings=... restarts=...`` log line at most every
 ``log_interval_s`` seconds and one at the end, so logs stay free of carriage returns. Ring occupancy is
-written per producer as ``F/W/R/r`` = slots FREE / WRITING / READY / READING.
+written per producer as ``F/W/R/r`` = slots FREE / WRITING / READY / READING. Given the run's balance figures
+(``shared.balance.run_balance``), the line ends with ``duty=`` (the producers' duty cycle) and ``starved=``
+(the consumers' starvation), ``-`` before the first batch.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class Progress:
         self.interactive = sys.stderr.isatty() if interactive is None else interactive
         self.log_interval_s = log_interval_s
         self._last_log = time.monotonic()
-        self._figures: tuple[float, str, int] | None = None
+        self._figures: tuple[float, str, int, str] | None = None
         self.bar = tqdm(total=total_steps, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True,
                         mininterval=mininterval_s, leave=True) if self.interactive else None
 
@@ -40,27 +42,30 @@ class Progress:
             self.step = step
         self.loss = loss
 
-    def refresh(self, coordinator, producers, tokens_per_s: float) -> None:
-        """Re-render the figures (about once a second); without a terminal, log them every ``log_interval_s``."""
+    def refresh(self, coordinator, producers, tokens_per_s: float, balance: dict | None = None) -> None:
+        """Re-render the figures (about once a second); without a terminal, log them every ``log_interval_s``.
+        ``balance``: the run's live balance figures (``producer_duty_cycle``, ``consumer_starvation``)."""
         rings = " ".join(
             "{FREE}/{WRITING}/{READY}/{READING}".format(**coordinator.occupancy(p.index)) for p in producers)
         restarts = sum(p.restarts for p in producers)
         loss = f"{self.loss:.3f}" if self.loss is not None else "-"
+        bal = "" if balance is None else (f" duty={_frac(balance.get('producer_duty_cycle'))} "
+                                          f"starved={_frac(balance.get('consumer_starvation'))}")
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss={loss} tok/s={tokens_per_s:,.0f} rings[F/W/R/r]={rings} "
-                                     f"restarts={restarts}", refresh=True)
+                                     f"restarts={restarts}{bal}", refresh=True)
             return
-        self._figures = (tokens_per_s, rings.replace(" ", ","), restarts)
+        self._figures = (tokens_per_s, rings.replace(" ", ","), restarts, bal)
         now = time.monotonic()
         if now - self._last_log >= self.log_interval_s:
             self._last_log = now
             self._log_line()
 
     def _log_line(self) -> None:
-        tokens_per_s, rings, restarts = self._figures
+        tokens_per_s, rings, restarts, bal = self._figures
         loss = f"{self.loss:.3f}" if self.loss is not None else "-"
-        log.info("progress step=%d/%d loss=%s tokens_per_s=%.0f rings_FWRr=%s restarts=%d", self.step, self.total,
-                 loss, tokens_per_s, rings, restarts)
+        log.info("progress step=%d/%d loss=%s tokens_per_s=%.0f rings_FWRr=%s restarts=%d%s", self.step, self.total,
+                 loss, tokens_per_s, rings, restarts, bal)
 
     def close(self, tokens_per_s: float | None = None) -> None:
         """End the display; without a terminal, log a last line (with the run's final ``tokens_per_s``)."""
@@ -70,3 +75,7 @@ class Progress:
             if tokens_per_s is not None:
                 self._figures = (tokens_per_s, *self._figures[1:])
             self._log_line()
+
+
+def _frac(x) -> str:
+    return f"{x:.2f}" if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"

@@ -26,11 +26,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from specring.shared.config import REPORT_BACKENDS
 from specring.shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-BACKENDS = ("tensorboard", "wandb", "mlflow")
+BACKENDS = REPORT_BACKENDS
 MODULES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 INSTALL = {"tensorboard": "pip install tensorboard", "wandb": "pip install wandb",
            "mlflow": "pip install mlflow-skinny (or mlflow)"}
@@ -48,10 +49,23 @@ def parse_report_to(text: str | list[str] | None) -> list[str]:
 
 
 def check_backends(names: list[str]) -> None:
-    """Raise ``ConfigError`` naming ``--report-to`` and the install command for each backend not importable."""
-    missing = [n for n in names if importlib.util.find_spec(MODULES[n]) is None]
-    if missing:
-        raise ConfigError("--report-to: " + "; ".join(f"{n} is not installed ({INSTALL[n]})" for n in missing))
+    """Import each backend of ``names`` now, before any process starts; raise ``ConfigError`` naming
+    ``--report-to`` and the install command for each one that is not installed (``ImportError``) or fails to
+    import (any other error, named)."""
+    problems = []
+    for n in names:
+        try:
+            if importlib.util.find_spec(MODULES[n]) is None:
+                raise ModuleNotFoundError(MODULES[n])
+            importlib.import_module(MODULES[n])
+            if n == "tensorboard":
+                importlib.import_module("torch.utils.tensorboard")  # what _TensorBoard writes with
+        except ImportError:
+            problems.append(f"{n} is not installed ({INSTALL[n]})")
+        except Exception as e:  # noqa: BLE001 - a broken installation: name it
+            problems.append(f"{n} fails to import ({type(e).__name__}: {str(e)[:200]}; reinstall: {INSTALL[n]})")
+    if problems:
+        raise ConfigError("--report-to: " + "; ".join(problems))
 
 
 def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -119,15 +133,33 @@ _CLASSES = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow}
 
 
 class JsonlTail:
-    """New complete lines of a JSON-lines file since the last call (a line still being written waits)."""
+    """New complete lines of a JSON-lines file since the last call (a line still being written waits).
 
-    def __init__(self, path: Path):
+    A file replaced (another inode) or shortened since the last call is read again from its start.
+    ``wait_for_replace=True``: nothing is read while the file is the one that existed at construction (a
+    resumed consumer rewrites ``metrics.jsonl`` without the steps after its checkpoint; until then its lines
+    are the old run's)."""
+
+    def __init__(self, path: Path, wait_for_replace: bool = False):
         self.path, self.offset = Path(path), 0
+        self.inode = self._inode()
+        self.stale_inode = self.inode if wait_for_replace else None
+
+    def _inode(self) -> int | None:
+        try:
+            return os.stat(self.path).st_ino
+        except OSError:
+            return None
 
     def read(self) -> list[dict]:
         if not self.path.is_file():
             return []
         with open(self.path, "rb") as f:
+            st = os.fstat(f.fileno())
+            if self.stale_inode is not None and st.st_ino == self.stale_inode:
+                return []
+            if st.st_ino != self.inode or st.st_size < self.offset:
+                self.inode, self.offset = st.st_ino, 0
             f.seek(self.offset)
             data = f.read()
         end = data.rfind(b"\n") + 1
@@ -139,6 +171,28 @@ class JsonlTail:
             except ValueError:
                 continue
         return out
+
+
+def last_metrics(run_dir: str | Path, tail_bytes: int = 1 << 16) -> dict:
+    """The last complete record of ``RUN_DIR/metrics.jsonl`` (``{}`` when there is none yet), read from the
+    file's last ``tail_bytes`` only."""
+    path = Path(run_dir) / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - tail_bytes))
+            data = f.read()
+    except OSError:
+        return {}
+    for line in reversed(data[:data.rfind(b"\n") + 1].splitlines()):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            return rec
+    return {}
 
 
 def train_metrics(m: dict) -> dict[str, float]:
@@ -154,9 +208,13 @@ def train_metrics(m: dict) -> dict[str, float]:
 
 class Reporter:
     """The run's trackers (module docstring). ``names`` from ``parse_report_to``; ``config``: the run's
-    configuration (``RunConfig.to_dict()``), recorded once. With no names it does nothing."""
+    configuration (``RunConfig.to_dict()``), recorded once. With no names it does nothing.
 
-    def __init__(self, names: list[str], run_dir: str | Path, run_id: str, config: dict):
+    ``start_step`` (a resumed run: the step of the checkpoint it resumed from): records of earlier steps
+    were reported by the run's previous start and are not sent again; ``metrics.jsonl`` is read only once
+    the resumed consumer has rewritten it (``JsonlTail``)."""
+
+    def __init__(self, names: list[str], run_dir: str | Path, run_id: str, config: dict, start_step: int = 0):
         self.run_dir = Path(run_dir)
         self.backends: dict[str, Any] = {}
         for n in names:
@@ -164,9 +222,10 @@ class Reporter:
                 self.backends[n] = _CLASSES[n](self.run_dir, run_id, config)
             except Exception as e:  # noqa: BLE001 - a tracker must never stop a run
                 log.error("report_to backend=%s disabled error=%s: %s", n, type(e).__name__, e)
-        self.metrics = JsonlTail(self.run_dir / "metrics.jsonl")
+        self.start_step = int(start_step)
+        self.metrics = JsonlTail(self.run_dir / "metrics.jsonl", wait_for_replace=self.start_step > 0)
         self.evals = JsonlTail(self.run_dir / "eval.jsonl")
-        self.step = 0
+        self.step = self.start_step
 
     def _send(self, metrics: dict[str, float], step: int) -> None:
         for name, b in list(self.backends.items()):
@@ -182,11 +241,16 @@ class Reporter:
         if not self.backends:
             return
         for m in self.metrics.read():
-            self.step = max(self.step, int(m.get("step", 0)))
+            step = int(m.get("step", 0))
+            if step < self.start_step:
+                continue
+            self.step = max(self.step, step)
             figures = train_metrics(m)
             if figures:
-                self._send(figures, int(m.get("step", 0)))
+                self._send(figures, step)
         for e in self.evals.read():
+            if self.start_step and int(e.get("step", 0)) <= self.start_step:
+                continue
             if isinstance(e.get("tau_mean"), (int, float)):
                 self._send({"eval/tau": float(e["tau_mean"])}, int(e.get("step", 0)))
         if pipeline:

@@ -288,3 +288,30 @@ def read_checkpoint_batches(run_dir: Path) -> tuple[set[int], set[int]]:
     state = load_trainer_state(path, mmap=True)
     return ({int(b) for b in state["trained_batch_ids"]}, {int(b) for b in state.get("skipped_batch_ids", [])})
 
+
+
+def prepare_draft_vocab(cfg: RunConfig, plan) -> str:
+    """The draft vocabulary of an EAGLE-3 run (``shared.draft_vocab``), once the run directory is claimed:
+    built from the loss-carrying tokens of ``--data`` when the run starts, read back (never rebuilt) on
+    ``--resume`` once it exists or a checkpoint was saved. Returns what was done (``"built"``, ``"read"``;
+    ``""`` for a DFlash run). Raises ``ConfigError`` naming ``--resume`` when a resumed run's file is
+    missing or is not the vocabulary its drafter needs, ``ConfigError`` naming ``--data`` when a token id
+    lies outside the target's vocabulary."""
+    from specring.shared.draft_vocab import draft_vocab_path, read_draft_vocab, write_draft_vocab
+
+    if cfg.trainer.drafter != "eagle3":
+        return ""
+    run_dir = Path(cfg.run_dir)
+    if not plan.vocab_size:
+        raise ConfigError(f"--target: {cfg.producer.target}/config.json has no vocab_size, which an EAGLE-3 draft "
+                          f"vocabulary needs")
+    if cfg.resume and (draft_vocab_path(run_dir).exists() or checkpoint_step_on_disk(run_dir) is not None):
+        read_draft_vocab(run_dir, plan.draft_vocab_size, plan.vocab_size, prefix="--resume: ")
+        log.info("draft_vocab read=%s size=%d", draft_vocab_path(run_dir), plan.draft_vocab_size)
+        return "read"
+    try:
+        d2t, _ = write_draft_vocab(run_dir, cfg.data.data, plan.vocab_size, plan.draft_vocab_size)
+    except ValueError as e:
+        raise ConfigError(f"--data: {e}") from None
+    log.info("draft_vocab built=%s size=%d", draft_vocab_path(run_dir), d2t.numel())
+    return "built"

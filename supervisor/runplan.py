@@ -49,6 +49,8 @@ class RunPlan:
     data_samples: int = 0
     data_tokens: int = 0
     batch_plan: Any = None      # the BatchPlan whose epochs, concatenated, ``order`` is the start of
+    vocab_size: int = 0         # the target's vocabulary (config.json), 0 when it does not say
+    draft_vocab_size: int = 0   # eagle3: the draft vocabulary size, --draft-vocab capped at the target's vocabulary
 
     def first_batches(self, n: int) -> list[Batch]:
         """The first ``n`` batches of the batch plan's epochs concatenated: the order of a run of ``n``
@@ -72,8 +74,12 @@ class RunPlan:
             f"target layers captured: {self.target_layer_ids}",
             f"data: {cfg.data.data}  ({self.data_samples} samples, {self.data_tokens} tokens, {self.data_digest[:19]})",
             f"producers: {n}  devices {cfg.producer.devices}  dtype {self.dtype_per_producer}",
-            f"consumers: {len(cfg.trainer.devices)}  devices {cfg.trainer.devices}  "
-            f"(block size {cfg.trainer.block_size}, anchors {cfg.trainer.num_anchors}, grad_accum {cfg.trainer.grad_accum})",
+            f"consumers: {len(cfg.trainer.devices)}  devices {cfg.trainer.devices}  " + (
+                f"(drafter eagle3, draft vocab {self.draft_vocab_size}, TTT steps {cfg.trainer.ttt_steps}, "
+                f"label source {cfg.trainer.label_source}, top-K {cfg.trainer.distill_topk}, "
+                f"grad_accum {cfg.trainer.grad_accum})" if cfg.trainer.drafter == "eagle3" else
+                f"(drafter dflash, block size {cfg.trainer.block_size}, anchors {cfg.trainer.num_anchors}, "
+                f"grad_accum {cfg.trainer.grad_accum})"),
             *([f"nodes: {cfg.nodes.nnodes} (this is node {cfg.nodes.node_rank}; they meet at "
                f"{cfg.nodes.master_addr}:{cfg.nodes.master_port}); every node runs the producers and consumers above"]
               if cfg.nodes.nnodes > 1 else []),
@@ -192,33 +198,72 @@ def check_anchors(ds, flag: str = "--data") -> list[str]:
             f"nothing, e.g. {where}"]
 
 
+def eagle3_layer_ids(cfg: RunConfig, num_layers: int) -> list[int]:
+    """The three target layers an EAGLE-3 drafter fuses (low, middle, high): ``--target-layers`` when given,
+    else ``shared.models.eagle3.default_eagle3_layer_ids`` (the references' ``[1, L//2-1, L-4]`` in specring's
+    output-of-layer convention). Raises ``ConfigError`` naming ``--target-layers`` unless they are three distinct
+    ids inside the target, and naming ``--num-target-layers`` when that asks for other than three."""
+    from specring.shared.models.eagle3 import default_eagle3_layer_ids
+
+    asked_ids, asked_n = cfg.producer.target_layer_ids, cfg.producer.num_target_layers
+    if asked_ids is None and asked_n is not None and asked_n != 3:
+        key = "producer.num_target_layers"
+        detail = f"EAGLE-3 fuses exactly three target layers (low, middle, high), got {asked_n}"
+        raise ConfigError(f"{cfg.origin(key)}: {detail}", key=key, detail=detail)
+    ids = default_eagle3_layer_ids(num_layers) if asked_ids is None else [int(i) for i in asked_ids]
+    if len(ids) != 3 or len(set(ids)) != 3 or any(not 0 <= i < num_layers for i in ids):
+        key = "producer.target_layer_ids"
+        detail = (f"EAGLE-3 needs three distinct target layer ids (low, middle, high) in 0..{num_layers - 1} "
+                  f"(the target has {num_layers} layers), got {ids}")
+        raise ConfigError(f"{cfg.origin(key)}: {detail}", key=key, detail=detail)
+    return ids
+
+
 def resolve_run(cfg: RunConfig) -> RunPlan:
     """Validate ``cfg`` and compute the ``RunPlan``; raises ``ConfigError`` naming the flag at fault.
 
+    Checks that every tracker of ``--report-to`` is installed (``supervisor.reporting.check_backends``) and
+    resolves ``--target`` once, a hub id to its directory in the local Hugging Face cache
+    (``shared.hub.resolve_model_dir``): the children and the run's ``config.json`` get the directory.
     Fills in ``cfg.data.data``/``cfg.data.heldout`` (demo corpus, prepared on first use),
-    ``cfg.producer.target_layer_ids``, ``cfg.ring.slot_bytes`` when 0 and ``cfg.trainer.max_steps`` when
+    ``cfg.producer.target_layer_ids`` (for EAGLE-3 its three default layers, ``eagle3_layer_ids``),
+    ``cfg.trainer.distill_topk`` when none, ``cfg.ring.slot_bytes`` when 0 and ``cfg.trainer.max_steps`` when
     ``--epochs`` is given, so that children read fully resolved values.
     """
+    from specring.shared.hub import resolve_model_dir
     from specring.shared.models.target import (
         DEFAULT_NUM_TARGET_LAYERS,
         resolve_layer_ids,
     )
+    from specring.supervisor.reporting import check_backends
 
+    check_backends(cfg.report_to)
+    cfg.producer.target = str(resolve_model_dir(cfg.producer.target, cfg.origin("producer.target")))
     producer_devices = [check_device_group(d, "--producers")[0] for d in cfg.producer.devices]
     for d in cfg.trainer.devices:
         check_device(d, "--consumers")
     shape = target_shape(cfg.producer.target)
     L, H = int(shape["num_hidden_layers"]), int(shape["hidden_size"])
     asked_ids, asked_n = cfg.producer.target_layer_ids, cfg.producer.num_target_layers
-    try:
-        ids = resolve_layer_ids(L, asked_ids, asked_n)
-    except (ConfigError, ValueError) as e:
-        key = "producer.target_layer_ids" if asked_ids is not None else "producer.num_target_layers"
-        detail = e.detail if isinstance(e, ConfigError) else str(e)
-        raise ConfigError(f"{cfg.origin(key)}: {detail}", key=key, detail=detail) from None
+    eagle3 = cfg.trainer.drafter == "eagle3"
+    if eagle3:
+        ids = eagle3_layer_ids(cfg, L)
+    else:
+        try:
+            ids = resolve_layer_ids(L, asked_ids, asked_n)
+        except (ConfigError, ValueError) as e:
+            key = "producer.target_layer_ids" if asked_ids is not None else "producer.num_target_layers"
+            detail = e.detail if isinstance(e, ConfigError) else str(e)
+            raise ConfigError(f"{cfg.origin(key)}: {detail}", key=key, detail=detail) from None
     cfg.producer.target_layer_ids = list(ids)
+    cfg.trainer.distill_topk = cfg.trainer.resolved_distill_topk()
     notes = []
-    if asked_ids is None and asked_n is None and len(ids) < DEFAULT_NUM_TARGET_LAYERS:
+    if eagle3:
+        vocab = int(shape.get("vocab_size") or 0)
+        if vocab and cfg.trainer.draft_vocab > vocab:
+            notes.append(f"--draft-vocab {cfg.trainer.draft_vocab} exceeds the target's vocabulary of {vocab}: "
+                         f"the draft vocabulary is the whole vocabulary")
+    elif asked_ids is None and asked_n is None and len(ids) < DEFAULT_NUM_TARGET_LAYERS:
         notes.append(f"the {L}-layer target gives {len(ids)} default capture layers {ids} (DFlash default "
                      f"{DEFAULT_NUM_TARGET_LAYERS} on deeper targets)")
     if not cfg.data.data:
@@ -226,7 +271,8 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         train, heldout = ensure_demo()
         cfg.data.data, cfg.data.heldout = str(train), cfg.data.heldout or str(heldout)
     ds = open_dataset(cfg.data.data, "--data", shape)
-    notes.extend(check_anchors(ds, cfg.origin("data.data")))
+    if not eagle3:  # an EAGLE-3 position needs no anchor: any loss-carrying token after the second trains
+        notes.extend(check_anchors(ds, cfg.origin("data.data")))
     if cfg.data.heldout and cfg.trainer.eval_prompts > 0:  # tau during training reads it in the consumer
         held = open_dataset(cfg.data.heldout, "--heldout", shape)
         if not (held.lengths > cfg.trainer.eval_prompt_len).any():
@@ -285,4 +331,6 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
                    slot_bytes=cfg.ring.slot_bytes, ring_bytes=ring_bytes, target_layer_ids=list(ids),
                    hidden_size=H, num_layers=L, dtype_per_producer=[DTYPE_NAMES[d] for d in dtypes],
                    plan_summary=plan.summary(), notes=notes, data_digest=ds.content_digest(), data_samples=len(ds),
-                   data_tokens=ds.num_tokens, batch_plan=plan)
+                   data_tokens=ds.num_tokens, batch_plan=plan, vocab_size=int(shape.get("vocab_size") or 0),
+                   draft_vocab_size=(min(cfg.trainer.draft_vocab, int(shape.get("vocab_size") or cfg.trainer.draft_vocab))
+                                     if eagle3 else 0))

@@ -7,8 +7,11 @@ write. It says nothing once the supervisor has exited: the rows are those of its
 
 A row: ``role``, ``index``, ``pid``, ``generation``, ``state``, ``heartbeat_age_s`` (None before Hello),
 ``tokens_per_s``, ``gpu_mem_bytes``, ``restarts``, ``work``/``work_s`` (what the main thread is busy with,
-from its last heartbeat), the monitor's psutil figures (``cpu_percent``, ``rss_bytes``, ``threads``) and,
-for a producer, ``ring``: its slot counts by state.
+from its last heartbeat), the monitor's psutil figures (``cpu_percent``, ``rss_bytes``, ``threads``),
+for a producer ``duty_cycle`` (fraction of the time since its first batch spent on forward + capture + slot
+write, the rest waiting for a lease) and ``ring``: its slot counts by state, and for a consumer
+``starvation`` (fraction of the time since its first batch spent waiting for a delivered slot); both None
+before the first batch or from a child that does not report them (``shared.balance``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """The supervisor process: owns the rings, the coordinator socket and every child; runs the event loop.
 
-``Supervisor(config).run()`` builds the batch order, creates one ring per producer, binds the ROUTER
-socket, starts producers and consumers, and loops: receive control messages and hand them to the
-``Coordinator``, send what it pumps out, watch children with the ``HealthMonitor`` (reap the dead, kill the
-hung, restart producers with a new generation), answer ``launch.py status``/``restart``, and keep a live
-progress line. At the end (all batches trained, a signal, or a consumer's death) consumers are asked to
-stop (they write a checkpoint), producers are stopped, and everything the run created in ``/dev/shm`` and
-the socket file are removed; ``summary.json`` records the outcome.
+``Supervisor(config).run()`` builds the batch order, creates one ring per producer, binds the ROUTER socket,
+starts producers and consumers, and loops: receive control messages and hand them to the ``Coordinator``, send
+what it pumps out, watch children with the ``HealthMonitor`` (reap the dead, kill the hung, restart producers
+with a new generation), answer ``launch.py status``/``restart``, and keep a live progress line and the
+experiment trackers of ``--report-to`` (``supervisor.reporting``) up to date. At the end (all batches trained,
+a signal, or a consumer's death) consumers are asked to stop (they write a checkpoint), producers are stopped,
+and everything the run created in ``/dev/shm`` and the socket file are removed; ``summary.json`` records the
+outcome.
 
 Guarantees: a producer's unpublished slots are reclaimed only after its process has been reaped; a
 consumer's death ends the run with its last checkpoint kept (``--resume`` continues), and a run whose
@@ -17,8 +18,8 @@ started outlives the child's exit or the run: the child's process group is kille
 the supervisor, a child subreaper, kills the orphans that come back to it (``shared.procs``); after a
 SIGKILL of the supervisor, the next start or ``launch.py clean`` kills them by their ``SPECRING_RUN_ID``.
 
-No peer of the socket can stall the loop or the signal path: sends never block (a peer whose queue is full
-is dropped, a lease or delivery rolled back), operator commands are rate-limited per peer and in all
+No peer of the socket can stall the loop or the signal path: sends never block (a command peer whose queue
+is full is dropped; the coordinator records a lease or delivery only once it was queued), operator commands are rate-limited per peer and in all
 (``supervisor.peers``), at most ``MAX_FRAMES_PER_TURN`` frames are handled between two looks at the children
 and the stop flag, and lines about bad peers are rate-limited. A signal only sets the stop flag.
 """
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import zmq
 
+from specring.shared.balance import ProcessBalance, run_balance
 from specring.shared.config import RunConfig
 from specring.shared.errors import MessageError
 from specring.shared.procs import (
@@ -65,6 +67,7 @@ from specring.supervisor.coordinator import Coordinator
 from specring.supervisor.monitor import Child, HealthMonitor
 from specring.supervisor.peers import CommandGate, LogLimiter
 from specring.supervisor.progress import Progress
+from specring.supervisor.reporting import Reporter, last_metrics
 from specring.supervisor.resume import checkpoint_step_on_disk, read_checkpoint_batches
 from specring.supervisor.runplan import RunPlan
 from specring.supervisor.status import write_status
@@ -105,6 +108,7 @@ class Supervisor:
         self.monitor = HealthMonitor(cfg.monitor)
         self.producers = [Child("producer", i) for i in range(len(cfg.producer.devices))]
         self.consumers = [Child("consumer", i) for i in range(len(cfg.trainer.devices))]
+        self.balance = {(c.role, c.index): ProcessBalance(c.role, c.index) for c in self.producers + self.consumers}
         self.rings: list[Ring] = []
         self.stop_reason = ""
         self.signals = 0
@@ -122,6 +126,8 @@ class Supervisor:
         self.gate = CommandGate()           # operator commands: rate-limited per peer, non-readers dropped
         self.log_limiter = LogLimiter(LOG_EVERY_S)
         self.refused_commands = 0
+        self.reporter: Reporter | None = None
+        self._reported_step = -1
         # several nodes (supervisor.nodes): the agreed topology, the link between node supervisors, the store
         self.topo = None
         self.link = None
@@ -174,6 +180,8 @@ class Supervisor:
                  slot_bytes=self.plan.slot_bytes, num_slots=cfg.ring.num_slots,
                  supervisor_pid=os.getpid()).save(self.run_dir)
         self.dist_port = _free_port()
+        self.reporter = Reporter(cfg.report_to, self.run_dir, self.run_id, cfg.to_dict(),
+                                 start_step=self.last_checkpoint.get("step", 0) if cfg.resume else 0)
         log.info("start run_id=%s producers=%d consumers=%d planned_batches=%d slot_mib=%.1f address=%s",
                  self.run_id, n, len(self.consumers), len(self.plan.order), self.plan.slot_bytes / 2**20,
                  self.address)
@@ -187,10 +195,11 @@ class Supervisor:
         elif child.role == "consumer":
             env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.dist_port),
                         "WORLD_SIZE": str(len(self.consumers)), "RANK": str(child.index)})
-        proc = spawn_child(module, str(self.run_dir), child.index, child.generation,
+        generation = self.coordinator.generation(child.role, child.index)
+        proc = spawn_child(module, str(self.run_dir), child.index, generation,
                            self.run_dir / "logs" / f"{child.name}.log", env=env)
         self.monitor.started(child, proc)
-        log.info("spawn %s=%d pid=%d generation=%d", child.role, child.index, proc.pid, child.generation)
+        log.info("spawn %s=%d pid=%d generation=%d", child.role, child.index, proc.pid, generation)
 
     # ------------------------------------------------------------------ messages
     def _child(self, role: str, index: int) -> Child | None:
@@ -198,30 +207,20 @@ class Supervisor:
         return group[index] if isinstance(index, int) and 0 <= index < len(group) else None
 
     def _send(self, role: str, index: int, msg) -> bool:
-        """Send to a child; a lease or delivery that cannot be sent (peer not connected) is rolled back. On node
-        0 of several nodes a child of another node (global ``index`` past this node's) is reached through the
-        node link."""
+        """Send to the current incarnation of a child without blocking; False when it could not be queued (the
+        peer is not connected, or its queue is full). On node 0 of several nodes a child of another node (global
+        ``index`` past this node's) is reached through the node link: True once the link queued it (if that
+        node cannot pass it on, it says ``send_failed`` and the coordinator takes it back)."""
         if self.topo is not None and self.relay is None and self._child(role, index) is None:
             node = self.topo.nodes_of(role)[index]
-            if node not in self.dead_nodes and self.link.send(
-                    m.NodeMsg(node=0, event="child", role=role, index=index, body=m.encode(msg)), to=node):
-                return True
-            self._rollback(role, index, msg)
-            return False
+            return node not in self.dead_nodes and bool(self.link.send(
+                m.NodeMsg(node=0, event="child", role=role, index=index, body=m.encode(msg)), to=node))
         try:
-            child = self._child(role, index)
-            channel.send(self.router, msg, to=peer_identity(role, index, child.generation).encode())
+            channel.send(self.router, msg, to=peer_identity(role, index, self.coordinator.generation(role, index)).encode())
             return True
         except zmq.ZMQError as e:
             log.warning("send_failed to=%s-%d kind=%s error=%s", role, index, msg.KIND, e)
-            self._rollback(role, index, msg)
             return False
-
-    def _rollback(self, role: str, index: int, msg) -> None:
-        if isinstance(msg, m.SlotReady):
-            self.coordinator.undeliver(msg, index)
-        elif isinstance(msg, m.Lease):
-            self.coordinator.unlease(msg, index)
 
     def _handle_safely(self, peer: bytes, msg) -> None:
         """``_handle``, but a message that trips an error is logged and counted, never fatal to the loop."""
@@ -261,11 +260,8 @@ class Supervisor:
             if role == "consumer" and msg.fatal:
                 self.consumer_error = msg.message
             return
-        gen = getattr(msg, "generation", peer_gen) if role == "producer" else peer_gen
-        if peer_gen != child.generation or gen != child.generation:
-            co.rejected["stale_generation"] += 1
-            log.warning("reject kind=%s peer=%s generation=%s current=%d reason=stale_generation",
-                        msg.KIND, sender, gen, child.generation)
+        gen = getattr(msg, "generation", peer_gen) if role == "producer" else peer_gen  # a producer's own
+        if co.fenced(role, child.index, peer_gen, msg.KIND) or (gen != peer_gen and co.fenced(role, child.index, gen, msg.KIND)):
             return
         if isinstance(msg, m.Hello) and (role != msg.role or child.index != msg.index):
             log.warning("reject hello peer=%s says %s-%s", sender, msg.role, msg.index)
@@ -278,6 +274,7 @@ class Supervisor:
             log.info("hello %s=%d pid=%d generation=%d", role, msg.index, msg.pid, msg.generation)
         elif isinstance(msg, m.Heartbeat):
             self.monitor.on_heartbeat(child, msg.stats)
+            self.balance[(role, child.index)].update(peer_gen, msg.stats)
         elif isinstance(msg, m.SlotReady) and role == "producer":
             if co.on_slot_ready(msg):
                 self.monitor.on_progress(child)
@@ -388,8 +385,12 @@ class Supervisor:
         elif nm.event == "producer_died":
             gen = co.producer_died(nm.index)
             log.info("restart producer=%d node=%d generation=%d", nm.index, nm.node, gen)
-        elif nm.event == "send_failed":
-            self._rollback(nm.role, nm.index, m.decode(nm.body))
+        elif nm.event == "send_failed":  # node nm.node could not pass a lease or delivery on: take it back
+            msg = m.decode(nm.body)
+            if isinstance(msg, m.SlotReady) and nm.role == "consumer":
+                co.undeliver(msg, nm.index)
+            elif isinstance(msg, m.Lease) and nm.role == "producer":
+                co.unlease(msg, nm.index)
         elif nm.event == "stop":
             log.error("node_stopped node=%d reason=%s", nm.node, nm.reason)
             if not self.stop_reason:
@@ -437,10 +438,12 @@ class Supervisor:
         rows = []
         now = time.monotonic()
         for c in self.producers + self.consumers:
-            row = {"role": c.role, "index": c.index, "pid": c.pid, "generation": c.generation,
+            row = {"role": c.role, "index": c.index, "pid": c.pid,
+                   "generation": self.coordinator.generation(c.role, c.index) if self.coordinator else 1,
                    "state": c.state, "heartbeat_age_s": round(now - c.last_heartbeat, 1) if c.hello else None,
                    "tokens_per_s": c.stats.get("tokens_per_s"), "gpu_mem_bytes": c.stats.get("gpu_mem_bytes"),
                    "restarts": c.restarts, "work": c.stats.get("work"), "work_s": c.stats.get("work_s")}
+            row.update(self.balance[(c.role, c.index)].live())
             row.update(self.monitor.sample(c))
             if c.role == "producer" and self.coordinator:
                 row["ring"] = self.coordinator.occupancy(c.index)
@@ -450,16 +453,21 @@ class Supervisor:
     def _command(self, peer: bytes, cmd: m.Command) -> None:
         if cmd.action == "status":
             co = self.coordinator
+            last = last_metrics(self.run_dir)
+            acc_key = "per_step_acc" if self.cfg.trainer.drafter == "eagle3" else "per_slot_acc"
             data = {"rows": self.status_rows(), "run_id": self.run_id, "step": self.progress.step,
-                    "trained": len(co.trained), "planned": len(co.order), "loss": co.loss_last}
+                    "trained": len(co.trained), "planned": len(co.order), "loss": co.loss_last,
+                    "drafter": self.cfg.trainer.drafter, acc_key: last.get(acc_key), "acc_step": last.get("step"),
+                    "balance": self._balance(steady=False)}
             reply = m.Reply(ok=True, text="", data=data)
         elif cmd.action == "restart" and cmd.role == "producer" and self._child("producer", cmd.index):
             child = self.producers[cmd.index]
             if child.alive():
                 child.graceful_restart = True
                 self._send("producer", cmd.index, m.Shutdown(reason="restart requested"))
-                log.info("restart_requested producer=%d generation=%d", cmd.index, child.generation)
-                reply = m.Reply(ok=True, text=f"producer {cmd.index} (generation {child.generation}) is restarting")
+                gen = self.coordinator.generation("producer", cmd.index)
+                log.info("restart_requested producer=%d generation=%d", cmd.index, gen)
+                reply = m.Reply(ok=True, text=f"producer {cmd.index} (generation {gen}) is restarting")
             else:
                 reply = m.Reply(ok=False, text=f"producer {cmd.index} is not running (state {child.state})")
         elif cmd.action == "stop":
@@ -507,8 +515,8 @@ class Supervisor:
                 self._exited(child)
                 code = child.proc.returncode
                 graceful = child.graceful_restart
-                old_gen = child.generation
-                child.generation = co.producer_died(child.index)
+                old_gen = co.generation("producer", child.index)
+                new_gen = co.producer_died(child.index)
                 if self.stop_reason:
                     child.state = "exited"
                     continue
@@ -520,14 +528,14 @@ class Supervisor:
                               self.cfg.monitor.restart_window_s)
                     continue
                 log.info("restart producer=%d exitcode=%s generation=%d old_generation=%d backoff_s=%.2f graceful=%s",
-                         child.index, code, child.generation, old_gen, delay, graceful)
+                         child.index, code, new_gen, old_gen, delay, graceful)
             elif child.state == "backoff" and now >= child.restart_at and not self.stop_reason:
                 self._spawn(child)
             else:
                 why = self.monitor.hung(child)
                 if why:
                     log.warning("hang producer=%d pid=%d generation=%d reason=%s action=kill", child.index,
-                                child.pid, child.generation, why)
+                                child.pid, co.generation("producer", child.index), why)
                     kill_group(child.proc, signal.SIGKILL)
                     child.proc.wait()  # reaped before its slots are reused (next pass sees the exit)
         for child in self.consumers:
@@ -572,6 +580,10 @@ class Supervisor:
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             self.progress.close(self.tokens_per_s())
+            try:
+                self._report(final=True)
+            except Exception as e:  # noqa: BLE001 - a tracker never changes the run's outcome
+                log.error("report_to close failed error=%s: %s", type(e).__name__, e)
             co = self.coordinator
             if (self.stop_reason or "done") == "done" and co is not None and co.bad and not co.trained:
                 self.stop_reason = "all_batches_bad"  # nothing trainable: not a success
@@ -613,8 +625,7 @@ class Supervisor:
                 handled += 1
                 got = channel.recv_from(self.router, 0) if handled < MAX_FRAMES_PER_TURN else None
             self._poll_nodes()
-            for role, index, msg in co.pump():
-                self._send(role, index, msg)
+            co.pump(self._send)  # only what could be queued is recorded: nothing to roll back
             self._watch()
             if co.done:
                 self.stop_reason = "done"
@@ -622,8 +633,36 @@ class Supervisor:
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
                 self._kill_orphans()  # e.g. a daemon that a live child's helper double-forked
-                self.progress.refresh(co, self.producers, self.tokens_per_s())
+                self.progress.refresh(co, self.producers, self.tokens_per_s(), self._balance(steady=False))
                 write_status(self.run_dir, self.run_id, self.status_rows())
+                self._report()
+
+    def pipeline_figures(self) -> dict[str, float]:
+        """The supervisor's own figures for the trackers: end-to-end tokens/s, slots of each producer's ring
+        by state (``pipeline/ring{i}_ready`` ...), restarts of each producer and in all, rejected messages."""
+        out = {"pipeline/tokens_per_s": self.tokens_per_s(),
+               "pipeline/restarts": float(sum(p.restarts for p in self.producers))}
+        for p in self.producers:
+            out[f"pipeline/producer{p.index}_restarts"] = float(p.restarts)
+            if self.coordinator is not None:
+                for state, n in self.coordinator.occupancy(p.index).items():
+                    out[f"pipeline/ring{p.index}_{state.lower()}"] = float(n)
+        if self.coordinator is not None:
+            out["pipeline/trained_batches"] = float(len(self.coordinator.trained))
+        return out
+
+    def _report(self, final: bool = False) -> None:
+        """Send what is new to the trackers (``Reporter.refresh``); the pipeline figures once per optimizer
+        step (and at the end), so that a slow run does not send the same step every second."""
+        if self.reporter is None:
+            return
+        step = self.progress.step
+        pipeline = self.pipeline_figures() if final or step != self._reported_step else None
+        self._reported_step = step
+        if final:
+            self.reporter.close(pipeline)
+        else:
+            self.reporter.refresh(pipeline)
 
     def tokens_per_s(self) -> float:
         """Target tokens trained per second between the first and the latest optimizer step (all ranks;
@@ -704,6 +743,7 @@ class Supervisor:
         deadline = time.monotonic() + ORPHAN_REAP_S
         while self._kill_orphans() and time.monotonic() < deadline:
             time.sleep(0.02)
+        self._drain_heartbeats()
         for ring in self.rings:
             ring.close()
             ring.unlink()
@@ -721,6 +761,26 @@ class Supervisor:
             except FileNotFoundError:
                 pass
         log.info("cleanup rings=%d socket=%s", len(self.rings), addr)
+
+    def _balance(self, steady: bool) -> dict:
+        """Duty cycles and starvation of the run's processes (``shared.balance.run_balance``)."""
+        return run_balance([self.balance[("producer", c.index)] for c in self.producers],
+                           [self.balance[("consumer", c.index)] for c in self.consumers], steady=steady)
+
+    def _drain_heartbeats(self) -> None:
+        """Take the balance figures of the heartbeats still queued once every child has exited (each child sends
+        one last heartbeat as it exits, after the loop stopped reading); every other frame is dropped."""
+        if getattr(self, "router", None) is None:
+            return
+        for _ in range(MAX_FRAMES_PER_TURN):
+            got = channel.recv_from(self.router, 0)
+            if got is None:
+                return
+            peer, msg = got
+            ident = parse_identity(peer)
+            if isinstance(msg, m.Heartbeat) and ident and self._child(ident[0], ident[1]) is not None \
+                    and msg.role == ident[0] and msg.index == ident[1] and msg.generation == ident[2]:
+                self.balance[(ident[0], ident[1])].update(ident[2], msg.stats)
 
     def _checkpoint_from_disk(self) -> None:
         """Take ``checkpoints/latest`` as the last checkpoint when it is newer than the last one reported."""
@@ -775,6 +835,8 @@ class Supervisor:
             "refused_commands": self.refused_commands,
             "last_checkpoint": self.last_checkpoint,
             "tau_last": self._tau_last(),
+            # duty cycle of producers, starvation of consumers, capacity per process (shared.balance)
+            "balance": self._balance(steady=True),
         }
         if self.topo is not None:
             summary["nodes"] = {"nnodes": self.topo.nnodes, "node_rank": self.cfg.nodes.node_rank,

@@ -171,6 +171,22 @@ class TokenDataset:
                  for o, v, start in zip(self._mask_offsets, self._mask_values, self._chunk_starts)]
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
+    def loss_token_counts(self, vocab_size: int) -> np.ndarray:
+        """``[vocab_size] int64``: how often each token id occurs where ``loss_mask`` is set (the counts an
+        EAGLE-3 draft vocabulary is chosen from, ``shared.draft_vocab``). One vectorised pass over the
+        memory-mapped columns. Raises ``ValueError`` for an id outside ``[0, vocab_size)``."""
+        counts = np.zeros(int(vocab_size), dtype=np.int64)
+        for (io, iv), (mo, mv) in zip(zip(self._ids_offsets, self._ids_values),
+                                      zip(self._mask_offsets, self._mask_values)):
+            ids = np.asarray(iv[int(io[0]):int(io[-1])], dtype=np.int64)
+            mask = np.asarray(mv[int(mo[0]):int(mo[-1])]) != 0
+            picked = ids[mask]
+            if picked.size and (picked.min() < 0 or picked.max() >= vocab_size):
+                raise ValueError(f"{self.path}: token ids outside 0..{vocab_size - 1} (min {picked.min()}, "
+                                 f"max {picked.max()})")
+            counts += np.bincount(picked, minlength=int(vocab_size))
+        return counts
+
     @property
     def num_tokens(self) -> int:
         """Total tokens in the dataset."""

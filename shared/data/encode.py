@@ -70,14 +70,17 @@ class StrictError(ValueError):
     """``--strict`` met a bad row; the message names file, line/row, kind and detail."""
 
 
-def load_tokenizer(tokenizer_dir: str | Path):
-    """A Hugging Face tokenizer from a local directory (no network), without the max-length warning."""
-    from transformers import AutoTokenizer
+def load_tokenizer(tokenizer_dir: str | Path, trust_remote_code: bool = False):
+    """A Hugging Face tokenizer from a local directory (no network), without the max-length warning.
+
+    Loaded through ``shared.hub.load_pretrained`` (``trust_remote_code``: the tokenizer's own code may run).
+    Raises ``ConfigError`` naming ``--tokenizer`` when the directory does not exist."""
+    from specring.shared.hub import load_pretrained
 
     path = Path(tokenizer_dir)
     if not path.is_dir():
         raise ConfigError(f"--tokenizer: {path} is not a directory")
-    tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    tok = load_pretrained("tokenizer", path, trust_remote_code=trust_remote_code, flag="--tokenizer")
     tok.model_max_length = 1 << 40      # we truncate ourselves; silence "longer than the maximum"
     return tok
 
@@ -225,6 +228,7 @@ class EncoderConfig:
     overlong: str = "truncate"        # or "drop"
     vocab_size: int = num(0, ge=0, le=MAX_INT32)   # 0 = from the tokenizer directory
     chat_template: str | None = None
+    trust_remote_code: bool = False   # --trust-remote-code of `launch.py prepare`
 
     def __post_init__(self):
         check_numbers(self)
@@ -257,7 +261,7 @@ class Encoder:
 
     def __init__(self, cfg: EncoderConfig):
         self.cfg = cfg
-        self.tok = load_tokenizer(cfg.tokenizer_dir)
+        self.tok = load_tokenizer(cfg.tokenizer_dir, cfg.trust_remote_code)
         self.vocab_size = cfg.vocab_size or vocab_size_of(cfg.tokenizer_dir, self.tok)
         self.eos_id = self.tok.eos_token_id
 

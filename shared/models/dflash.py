@@ -76,14 +76,15 @@ def _rope_theta(cfg: dict) -> float:
     return 10000.0
 
 
-def resolve_mask_token_id(target_dir: str | Path) -> int:
+def resolve_mask_token_id(target_dir: str | Path, trust_remote_code: bool = False) -> int:
     """The default mask token: the tokenizer's mask token, else its pad token (the choice is logged).
 
-    Raises ``ValueError`` when the tokenizer has neither (pass ``mask_token_id`` explicitly then).
+    The tokenizer is loaded through ``shared.hub.load_pretrained`` (``trust_remote_code``: the tokenizer's own
+    code may run). Raises ``ValueError`` when the tokenizer has neither (pass ``mask_token_id`` explicitly then).
     """
-    from transformers import AutoTokenizer
+    from specring.shared.hub import load_pretrained
 
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    tok = load_pretrained("tokenizer", target_dir, trust_remote_code=trust_remote_code)
     if getattr(tok, "mask_token_id", None) is not None:
         logger.info("mask_token source=tokenizer.mask_token token=%r id=%d", tok.mask_token, tok.mask_token_id)
         return int(tok.mask_token_id)
@@ -93,8 +94,24 @@ def resolve_mask_token_id(target_dir: str | Path) -> int:
     raise ValueError(f"mask_token_id: the tokenizer in {target_dir} has neither a mask nor a pad token; set it")
 
 
+class DraftConfigDict:
+    """``to_dict``/``from_dict`` of a drafter's config dataclass (the checkpoint's ``*_config.json``):
+    ``from_dict`` raises ``ValueError`` naming keys the dataclass does not have."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        known = {f.name for f in dataclasses.fields(cls)}
+        bad = set(d) - known
+        if bad:
+            raise ValueError(f"unknown {cls.__name__} key(s) {sorted(bad)}")
+        return cls(**d)
+
+
 @dataclass
-class DFlashConfig:
+class DFlashConfig(DraftConfigDict):
     """Shape and conventions of a DFlash drafter (serialised as ``dflash_config.json`` in checkpoints).
 
     ``num_hidden_layers`` is the number of *draft* layers; ``num_target_layers`` (``n``) the number of
@@ -134,35 +151,24 @@ class DFlashConfig:
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id: {self.mask_token_id} outside the vocabulary 0..{self.vocab_size - 1}")
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DFlashConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        bad = set(d) - known
-        if bad:
-            raise ValueError(f"unknown DFlashConfig key(s) {sorted(bad)}")
-        return cls(**d)
-
     @classmethod
     def from_target(cls, target_dir: str | Path, target_layer_ids: list[int] | None, block_size: int = 16,
                     mask_token_id: int | None = None, num_draft_layers: int | None = None,
-                    num_target_layers: int = 5) -> "DFlashConfig":
+                    num_target_layers: int = 5, trust_remote_code: bool = False) -> "DFlashConfig":
         """Size a drafter like the target in ``target_dir`` (its ``config.json``).
 
         ``target_layer_ids=None`` -> ``default_target_layer_ids(L, num_target_layers)`` (the producer's
         ``producers.target`` definitions, so both sides pick and validate the same layers).
         ``num_draft_layers=None`` -> one draft layer per captured layer. ``mask_token_id=None`` ->
-        ``resolve_mask_token_id(target_dir)``. Raises ``ConfigError`` (a ``ValueError``) for layer ids outside
-        the target or repeated.
+        ``resolve_mask_token_id(target_dir, trust_remote_code)``. Raises ``ConfigError`` (a ``ValueError``) for
+        layer ids outside the target or repeated.
         """
         raw = read_target_config(target_dir)
         cfg = text_config(raw)
         num_layers = int(cfg["num_hidden_layers"])
         target_layer_ids = resolve_layer_ids(num_layers, target_layer_ids, num_target_layers, exact=False)
         if mask_token_id is None:
-            mask_token_id = resolve_mask_token_id(target_dir)
+            mask_token_id = resolve_mask_token_id(target_dir, trust_remote_code)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         return cls(

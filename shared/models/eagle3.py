@@ -32,11 +32,9 @@ target's vocabulary, ``Vd`` the draft vocabulary):
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +42,7 @@ from torch import nn
 
 from specring.shared.errors import ConfigError
 from specring.shared.models.dflash import (
+    DraftConfigDict,
     RMSNorm,
     SwiGLUMLP,
     _rope_theta,
@@ -82,7 +81,7 @@ def default_eagle3_layer_ids(num_layers: int) -> list[int]:
 
 
 @dataclass
-class Eagle3Config:
+class Eagle3Config(DraftConfigDict):
     """Shape of an EAGLE-3 drafter (serialised as ``eagle3_config.json`` in checkpoints).
 
     ``target_layer_ids``: the three captured layers (specring's convention); ``draft_vocab_size``: ``Vd``
@@ -123,17 +122,6 @@ class Eagle3Config:
     @property
     def num_target_layers(self) -> int:
         return len(self.target_layer_ids)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Eagle3Config":
-        known = {f.name for f in dataclasses.fields(cls)}
-        bad = set(d) - known
-        if bad:
-            raise ValueError(f"unknown Eagle3Config key(s) {sorted(bad)}")
-        return cls(**d)
 
     @classmethod
     def from_target(cls, target_dir: str | Path, target_layer_ids: list[int] | None = None,

@@ -58,6 +58,7 @@ from specring.shared.models.dflash import (
     DraftCache,
     build_drafter,
 )
+from specring.shared.models.eagle3 import Eagle3Drafter
 
 logger = logging.getLogger(__name__)
 
@@ -344,21 +345,26 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
                  on_prompt: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """τ of ``drafter`` on ``prompts`` against an already-loaded target (for the trainer's checkpoints).
 
-    ``target_model``: HF ``AutoModelForCausalLM`` in eval mode; ``drafter``: a live ``DFlashDrafter``
-    (put in eval mode for the call, its mode restored after) or any proposer (e.g.
+    ``target_model``: HF ``AutoModelForCausalLM`` in eval mode; ``drafter``: a live ``DFlashDrafter`` or
+    ``Eagle3Drafter`` (put in eval mode for the call, its mode restored after; EAGLE-3 drafts a chain of
+    ``block_size - 1`` tokens, by default ``ttt_steps``, with ``Eagle3Proposer``) or any proposer (e.g.
     ``PromptLookupProposer()``); ``layer_ids``: the target layers the drafter was trained on (must equal
     ``drafter.config.target_layer_ids``: ``ValueError`` otherwise). ``block_size`` defaults to the
     drafter's (16 for a proposer). With ``check_lossless`` also decodes greedily and adds
     ``lossless_mismatches`` (prompts whose outputs differ; must be 0). ``on_prompt(done, total)`` is
     called after each prompt (the consumer sends a heartbeat from it). Returns ``summarize``'s dict.
     """
-    if isinstance(drafter, DFlashDrafter):
+    if isinstance(drafter, (DFlashDrafter, Eagle3Drafter)):
         if layer_ids is not None and list(layer_ids) != list(drafter.config.target_layer_ids):
             raise ValueError(f"layer_ids: {list(layer_ids)} differ from the drafter's target_layer_ids "
                              f"{drafter.config.target_layer_ids}")
         layer_ids = drafter.config.target_layer_ids
-        proposer = DFlashProposer(drafter, block_size)
-        bsz = proposer.block_size
+        if isinstance(drafter, DFlashDrafter):
+            proposer = DFlashProposer(drafter, block_size)
+            bsz = proposer.block_size
+        else:  # chain drafting, as deep as training-time test unrolled it unless block_size says otherwise
+            bsz = int(block_size or drafter.config.ttt_steps + 1)
+            proposer = Eagle3Proposer(drafter, bsz - 1)
     else:
         proposer, bsz = drafter, int(block_size or 16)
     was_training = getattr(drafter, "training", False)

@@ -35,6 +35,7 @@ from torch import nn
 
 from specring.shared.devices import resolve_device, resolve_device_group, resolve_dtype
 from specring.shared.errors import ConfigError
+from specring.shared.hub import load_pretrained
 from specring.shared.models.target_config import read_target_config
 
 log = logging.getLogger(__name__)
@@ -123,14 +124,15 @@ def _layer_error(key: str, detail: str) -> ConfigError:
 
 
 # ------------------------------------------------------------------------------------------------ loading
-def check_checkpoint(path: str | Path):
+def check_checkpoint(path: str | Path, trust_remote_code: bool = False):
     """The checkpoint's ``PretrainedConfig``, after checking that ``path`` is a local causal-LM checkpoint.
 
-    Cheap (reads ``config.json`` only), so callers can validate layer ids before loading weights. Raises
-    ``ConfigError`` naming the path and the problem (see ``load_target``).
+    Cheap (reads ``config.json`` only), so callers can validate layer ids before loading weights. With
+    ``trust_remote_code`` a model type outside transformers is accepted when the directory's ``auto_map`` names
+    its ``AutoModelForCausalLM`` class (``--trust-remote-code``). Raises ``ConfigError`` naming the path and
+    the problem (see ``load_target``).
     """
     path = Path(path).expanduser()
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     if not path.exists():
@@ -139,31 +141,38 @@ def check_checkpoint(path: str | Path):
         raise ConfigError(f"target {str(path)!r} is not a directory (expected a Hugging Face checkpoint directory)")
     raw = read_target_config(path, flag=f"target {str(path)!r}")
     model_type = raw.get("model_type")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    remote = trust_remote_code and "AutoModelForCausalLM" in (raw.get("auto_map") or {})
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote \
+            and "AutoModelForCausalLM" in (raw.get("auto_map") or {}):
+        raise ConfigError(f"target {str(path)!r}: model_type {model_type!r} is defined by the checkpoint's own code "
+                          f"(auto_map); pass --trust-remote-code to let transformers run it")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote:
         raise ConfigError(f"target {str(path)!r} is not a causal language model: model_type {model_type!r} "
                           f"has no AutoModelForCausalLM class")
     archs = raw.get("architectures") or []
     causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if archs and not any(a in causal_names or a.endswith("ForCausalLM") for a in archs):
+    if archs and not remote and not any(a in causal_names or a.endswith("ForCausalLM") for a in archs):
         raise ConfigError(f"target {str(path)!r} is not a causal language model: its architectures are "
                           f"{archs} (expected a *ForCausalLM class such as "
                           f"{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]})")
     if not any(path.glob("*.safetensors")):
         raise ConfigError(f"target {str(path)!r} has no *.safetensors weights")
     try:
-        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+        return load_pretrained("config", path, trust_remote_code=trust_remote_code)
+    except ConfigError:
+        raise
     except Exception as e:  # transformers raises many types for a broken config
         raise ConfigError(f"target {str(path)!r}: config.json is not a valid {model_type} config: "
                           f"{type(e).__name__}: {e}") from None
 
 
-def meta_model(hf_config) -> nn.Module:
+def meta_model(hf_config, trust_remote_code: bool = False) -> nn.Module:
     """The causal LM of ``hf_config`` built on the ``meta`` device (no memory, no weights): its module tree, for
     ``layer_device_map``."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config)
+        return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
 
 
 def layer_device_map(model: nn.Module, devices: Sequence[str | torch.device]) -> dict[str, str]:
@@ -209,7 +218,7 @@ def layer_device_map(model: nn.Module, devices: Sequence[str | torch.device]) ->
 
 
 def load_target(path: str | Path, device: str | torch.device, dtype: str | torch.dtype = "auto",
-                random_weights: bool = False):
+                random_weights: bool = False, trust_remote_code: bool = False):
     """Load a local Hugging Face causal LM for inference; returns ``(model, hf_config)``.
 
     ``model`` is an ``AutoModelForCausalLM`` in eval mode with gradients off, on ``device`` in ``dtype``
@@ -221,6 +230,9 @@ def load_target(path: str | Path, device: str | torch.device, dtype: str | torch
     one distinct device transformers dispatches the model with accelerate's hooks, which move activations from
     one layer's device to the next.
 
+    ``trust_remote_code``: transformers may run the modelling code the directory ships (``--trust-remote-code``;
+    every load goes through ``shared.hub.load_pretrained``).
+
     ``random_weights=True`` (benchmarks of large shapes without their weights): the model is built from
     ``config.json`` with random weights directly on ``device``, then every tensor the checkpoint does hold
     (typically the embedding and LM head, which the drafter shares) is copied in.
@@ -229,28 +241,29 @@ def load_target(path: str | Path, device: str | torch.device, dtype: str | torch
     not a causal LM, no safetensors weights, weights that fail to load, a device that does not exist, or a
     model whose decoder layers cannot be found.
     """
-    from transformers import AutoModelForCausalLM
     from transformers.utils import is_accelerate_available
 
     group = [resolve_device(device)] if isinstance(device, torch.device) else resolve_device_group(device)
     dev = group[0]
     torch_dtype = resolve_dtype(dtype, dev)
     p = Path(path).expanduser()
-    hf_config = check_checkpoint(p)
-    dmap = layer_device_map(meta_model(hf_config), group) if len(group) > 1 else None
+    hf_config = check_checkpoint(p, trust_remote_code)
+    dmap = layer_device_map(meta_model(hf_config, trust_remote_code), group) if len(group) > 1 else None
     if random_weights:
-        model = _random_target(p, hf_config, dev, torch_dtype)
+        model = _random_target(p, hf_config, dev, torch_dtype, trust_remote_code)
         if dmap is not None:
             place_target(model, dmap)
         return model, hf_config
-    kwargs = dict(dtype=torch_dtype, local_files_only=True, use_safetensors=True)
+    kwargs = dict(dtype=torch_dtype, use_safetensors=True)
     direct = dmap is not None or (dev.type == "cuda" and is_accelerate_available())
     if dmap is not None:
         kwargs["device_map"] = dmap  # transformers places each module (and dispatches when devices differ)
     elif direct:
         kwargs["device_map"] = str(dev)  # weights go straight to the GPU (no full copy in host memory)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(p), **kwargs)
+        model = load_pretrained("causal_lm", p, trust_remote_code=trust_remote_code, **kwargs)
+    except ConfigError:
+        raise
     except Exception as e:
         raise ConfigError(f"target {str(p)!r} failed to load as a causal LM: {type(e).__name__}: {e}") from None
     if not direct:
@@ -291,7 +304,7 @@ def place_target(model: nn.Module, dmap: dict[str, str]) -> None:
     check_placement(model, dmap)
 
 
-def _random_target(path: Path, hf_config, dev: torch.device, dtype: torch.dtype):
+def _random_target(path: Path, hf_config, dev: torch.device, dtype: torch.dtype, trust_remote_code: bool = False):
     """A causal LM of ``hf_config``'s shape with random weights on ``dev``, plus the checkpoint's own tensors."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
@@ -300,7 +313,7 @@ def _random_target(path: Path, hf_config, dev: torch.device, dtype: torch.dtype)
     torch.set_default_dtype(dtype)
     try:
         with torch.device(dev):
-            model = AutoModelForCausalLM.from_config(hf_config)
+            model = AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)
     finally:
         torch.set_default_dtype(previous)
     state = {}

@@ -8,7 +8,8 @@ never stops a loop.
 
 Sends on the router never block: each peer has its own queue of at most ``ROUTER_SNDHWM`` messages, and a
 send to a peer whose queue is full (it does not read) raises ``zmq.Again`` at once, so no peer can stall
-the coordinator's loop or its signal handling; the caller drops or rolls back what it sent.
+the coordinator's loop or its signal handling; the caller decides what a failed send means (the coordinator
+records a lease or delivery only once its send has succeeded).
 
 Addresses: ``ipc://<run_dir>/coord.sock`` by default (the run directory is mode 0700), or
 ``tcp://127.0.0.1:<port>`` when asked for.

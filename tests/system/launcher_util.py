@@ -65,6 +65,13 @@ def metrics_batch_ids(run_dir: Path) -> list[int]:
 
 
 def summary(run_dir: Path) -> dict:
+    """The run's ``summary.json``; first asserts that the supervisor's handlers never raised on a frame (a
+    ``reason=handler_error`` line in ``logs/supervisor.log`` is a bug in our code, which the loop survives by
+    dropping the frame, so only the log shows it)."""
+    log_path = run_dir / "logs" / "supervisor.log"
+    if log_path.exists():
+        errors = [x for x in log_path.read_text(errors="replace").splitlines() if "reason=handler_error" in x]
+        assert not errors, errors[:3]
     return json.loads((run_dir / "summary.json").read_text())
 
 

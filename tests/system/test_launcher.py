@@ -239,7 +239,9 @@ def test_garbage_and_stale_messages_are_ignored(dataset, tmp_path):
 
 def test_status_and_graceful_restart_while_training(dataset, tmp_path):
     run_dir = tmp_path / "run"
-    proc = start_launcher(small_flags(dataset, run_dir, 40), log_path=tmp_path / "launcher.log")
+    # slow publishing keeps the run going until the restarted producer is back, however fast the consumer is
+    proc = start_launcher(small_flags(dataset, run_dir, 40), env={"SPECRING_SLOW_WRITE_S": "0.8"},
+                          log_path=tmp_path / "launcher.log")
     try:
         wait_for(lambda: child_pid(run_dir, "producer", 1), 120, "producer 1 up")
         out = subprocess.run([sys.executable, "launch.py", "status", "--run-dir", str(run_dir)], cwd=REPO,

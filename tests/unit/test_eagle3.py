@@ -228,6 +228,9 @@ def test_the_trainer_trains_checkpoints_and_resumes_an_eagle3_drafter_exactly(tm
         assert torch.allclose(v, c.model.trainable_state_dict()[k], atol=1e-6), k
     loaded = ckpt.load_drafter(path)
     assert isinstance(loaded, Eagle3Drafter) and torch.equal(loaded.d2t, vocab[0])
+    other = Trainer(cfg, dcfg, TARGET, "cpu", tmp_path / "e", draft_vocab=build_draft_vocab(torch.arange(8192), 2000))
+    with pytest.raises(ValueError, match=r"its draft vocabulary \(d2t\) differs"):   # never another vocabulary
+        other.load_checkpoint(path)
     with pytest.raises(ValueError, match="eagle3 drafter"):
         from specring.shared.models.dflash import DFlashConfig
         Trainer(cfg, DFlashConfig.from_target(TARGET, None), TARGET, "cpu", tmp_path / "d").load_checkpoint(path)
@@ -278,6 +281,13 @@ def test_export_has_the_engines_names_shapes_and_config_and_bad_ones_are_refused
         check_eagle3_export(conf, {k: v for k, v in got.items() if k != "d2t"})
     with pytest.raises(ValueError, match="lacks"):
         check_eagle3_export({k: v for k, v in conf.items() if k != "draft_vocab_size"}, got)
+    # read back as served (launch.py eval --drafter EXPORT): the exported weights in bf16, the target's embedding
+    from specring.cli.export import load_exported_as_served
+    served = load_exported_as_served(out)
+    assert isinstance(served, Eagle3Drafter) and served.fc.weight.dtype == torch.bfloat16
+    assert torch.equal(served.d2t, d2t) and served.config.ttt_steps == 2
+    assert torch.equal(served.embed_tokens.weight, model.embed_tokens.weight)
+    assert torch.equal(served.lm_head.weight, model.lm_head.weight.bfloat16())
 
 
 def _umask() -> int:

@@ -46,3 +46,49 @@ def test_missing_ids_and_bad_specs_are_named(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="--tokenizer: 'no/such/dir' is neither a directory nor"):
         resolve_model_dir("no/such/dir", flag="--tokenizer")
     assert resolve_model_dir(FIXTURE) == FIXTURE
+
+
+def test_train_plan_takes_a_hub_id_and_records_its_directory(tmp_path):
+    """``launch.py train --target ORG/NAME --plan`` in a real process, the network off: the id resolves from the
+    cache the environment names, and the plan (what the children and config.json get) names the directory."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support import REPO, make_dataset
+
+    snap = fill_cache(tmp_path / "hub", "specring-test/tiny-code-lm")
+    data = make_dataset(tmp_path / "d.arrow")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
+    flags = ["--data", str(data), "--producers", "cpu,cpu", "--consumers", "cpu", "--run-dir", str(tmp_path / "run"),
+             "--plan"]
+    out = subprocess.run([sys.executable, "launch.py", "train", "--target", "specring-test/tiny-code-lm", *flags],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"target: {snap}  (8 layers, hidden 256)" in out.stdout
+    out = subprocess.run([sys.executable, "launch.py", "train", "--target", "specring-test/not-cached", *flags],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "error: --target: specring-test/not-cached is not in the local Hugging Face cache" in out.stderr
+
+
+def test_resume_accepts_the_hub_id_of_the_directory_the_run_recorded(tmp_path, monkeypatch):
+    import json
+
+    from specring.cli.flags import build_parser, config_from_args
+    from specring.shared.config import RunConfig
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    snap = fill_cache(tmp_path / "hub", "specring-test/tiny-code-lm")
+    fill_cache(tmp_path / "hub", "specring-test/other")
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = RunConfig(run_dir=str(run))
+    saved.producer.target = str(snap)
+    (run / "config.json").write_text(json.dumps(saved.to_dict()))
+    resume = ["--run-dir", str(run), "--resume", "--target"]
+    cfg = config_from_args(build_parser().parse_args(resume + ["specring-test/tiny-code-lm"]))
+    assert cfg.producer.target == str(snap) and not cfg.resume_changes
+    with pytest.raises(ConfigError, match="--target cannot change when resuming"):
+        config_from_args(build_parser().parse_args(resume + ["specring-test/other"]))

@@ -22,3 +22,13 @@ def test_non_interactive_progress_logs_key_value_lines_without_carriage_returns(
     assert lines[0] == "progress step=3/4 loss=5.250 tokens_per_s=1234 rings_FWRr=3/0/0/0,3/0/0/0 restarts=1"
     assert lines[-1] == "progress step=4/4 loss=4.500 tokens_per_s=1000 rings_FWRr=3/0/0/0,3/0/0/0 restarts=1"
     assert "\r" not in capsys.readouterr().err
+
+
+def test_progress_line_carries_the_balance_figures_when_given(caplog):
+    co = Coordinator([Batch(batch_id=0, epoch=0, sample_ids=(0,), pad_to=8)], num_producers=1, num_slots=2,
+                     num_consumers=1)
+    p = Progress(total_steps=1, num_producers=1, log_interval_s=0.0, interactive=False)
+    with caplog.at_level(logging.INFO, logger="specring.supervisor.progress"):
+        p.refresh(co, [SimpleNamespace(index=0, restarts=0)], 10.0,
+                  {"producer_duty_cycle": 0.934, "consumer_starvation": None})
+    assert caplog.records[-1].getMessage().endswith("restarts=0 duty=0.93 starved=-")

@@ -29,7 +29,6 @@ def test_report_to_is_parsed_and_checked():
 
 def test_a_backend_that_is_not_installed_is_named_with_its_install_command(monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
-    monkeypatch.setattr(reporting.importlib.util, "find_spec", lambda name: None if name == "wandb" else object())
     with pytest.raises(ConfigError, match=r"wandb is not installed \(pip install wandb\)"):
         check_backends(["tensorboard", "wandb"])
 
@@ -83,3 +82,28 @@ def test_lines_still_being_written_wait_for_the_next_refresh(tmp_path):
     with open(tmp_path / "m.jsonl", "a") as f:
         f.write('}\n')
     assert tail.read() == [{"step": 2}]
+
+
+def test_a_resumed_run_reports_only_its_own_steps(tmp_path):
+    """Resumed from the checkpoint of step 3: the old run's lines (steps 3.. were trained after that checkpoint
+    and are trained again) are not sent; the consumer's rewritten metrics.jsonl is, from step 3 on."""
+    pytest.importorskip("tensorboard")
+    import os
+    old = [{"step": s, "loss": 10.0 + s} for s in range(6)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in old))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"step": 3, "tau_mean": 1.5}) + "\n")
+    r = Reporter(["tensorboard"], tmp_path, "run4", {}, start_step=3)
+    r.refresh()  # the consumer has not rewritten metrics.jsonl yet: nothing of it is sent
+    new = old[:3] + [{"step": 3, "loss": 2.0}, {"step": 4, "loss": 1.0}]
+    tmp = tmp_path / "metrics.tmp"
+    tmp.write_text("".join(json.dumps(m) + "\n" for m in new))
+    os.replace(tmp, tmp_path / "metrics.jsonl")  # as Trainer.load_checkpoint does
+    r.refresh()
+    with open(tmp_path / "eval.jsonl", "a") as f:
+        f.write(json.dumps({"step": 5, "tau_mean": 2.5}) + "\n")
+    r.close()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(3, 2.0), (4, 1.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("eval/tau")] == [(5, 2.5)]
