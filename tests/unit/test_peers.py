@@ -13,7 +13,7 @@ import zmq
 from specring.shared.transport import channel
 from specring.shared.transport import messages as m
 from specring.supervisor.peers import CommandGate, LogLimiter
-from specring.supervisor.supervisor import peer_name
+from specring.supervisor.dispatch import peer_name
 
 
 class Clock:

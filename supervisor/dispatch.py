@@ -1,0 +1,227 @@
+"""The supervisor's messages: every frame from the coordinator socket, and every send to a child.
+
+``MessageDispatch`` (a part of ``supervisor.supervisor.Supervisor``) validates a frame's sender (its ZeroMQ
+identity names role, index and generation: ``shared.procs.peer_identity``), fences other generations
+(``Coordinator.fenced``), hands the message to the ``Coordinator`` (ledger), the ``HealthMonitor`` (liveness)
+and the balance figures, and answers operator commands (``launch.py status``/``restart``/``stop``), rate-limited
+per peer (``supervisor.peers``). A frame that is malformed, from an unknown peer or trips an error in a handler
+is logged (rate-limited) and counted, never fatal to the loop. Sends never block: a peer that is gone or does
+not read makes ``_send`` return False (the coordinator then records nothing).
+
+State it uses on the supervisor: ``coordinator``, ``router``, ``producers``/``consumers`` (``Child``),
+``monitor``, ``balance``, ``gate``, ``log_limiter``, ``progress``, the counters ``rejected_frames`` and
+``refused_commands``, and on several nodes ``topo``, ``link``, ``relay``, ``dead_nodes``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import zmq
+
+from specring.shared.errors import MessageError
+from specring.shared.procs import parse_identity, peer_identity
+from specring.shared.transport import channel
+from specring.shared.transport import messages as m
+from specring.supervisor.monitor import Child
+from specring.supervisor.reporting import last_metrics
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05  # how long the loop waits for a frame before it looks at the children
+MAX_FRAMES_PER_TURN = 500  # frames handled before the loop pumps, watches children and checks for a stop
+LOG_EVERY_S = 10.0  # one log line per peer and kind of rejection this often at most
+
+
+class MessageDispatch:
+    """Frames in, messages out (see the module docstring); a part of ``Supervisor``."""
+
+    def _child(self, role: str, index: int) -> Child | None:
+        group = self.producers if role == "producer" else self.consumers if role == "consumer" else []
+        return group[index] if isinstance(index, int) and 0 <= index < len(group) else None
+
+    def _send(self, role: str, index: int, msg) -> bool:
+        """Send to the current incarnation of a child without blocking; False when it could not be queued (the
+        peer is not connected, or its queue is full). On node 0 of several nodes a child of another node (global
+        ``index`` past this node's) is reached through the node link: True once the link queued it (if that
+        node cannot pass it on, it says ``send_failed`` and the coordinator takes it back)."""
+        if self.topo is not None and self.relay is None and self._child(role, index) is None:
+            node = self.topo.nodes_of(role)[index]
+            return node not in self.dead_nodes and bool(self.link.send(
+                m.NodeMsg(node=0, event="child", role=role, index=index, body=m.encode(msg)), to=node))
+        try:
+            channel.send(self.router, msg, to=peer_identity(role, index, self.coordinator.generation(role, index)).encode())
+            return True
+        except zmq.ZMQError as e:
+            log.warning("send_failed to=%s-%d kind=%s error=%s", role, index, msg.KIND, e)
+            return False
+
+    def _handle_safely(self, peer: bytes, msg) -> None:
+        """``_handle``, but a message that trips an error is logged and counted, never fatal to the loop."""
+        try:
+            self._handle(peer, msg)
+        except Exception as e:
+            self.rejected_frames += 1
+            log.error("reject kind=%s peer=%r reason=handler_error error=%s: %s", getattr(msg, "KIND", "?"), peer,
+                      type(e).__name__, e)
+
+    def _handle(self, peer: bytes, msg) -> None:
+        co = self.coordinator
+        sender = peer_name(peer)
+        if isinstance(msg, MessageError):
+            self.rejected_frames += 1
+            self._warn_limited(("frame", peer), "reject frame peer=%s error=%s", sender, msg)
+            return
+        if isinstance(msg, m.Command):
+            why = self.gate.admit(peer)
+            if why:
+                self.refused_commands += 1
+                self._warn_limited(("command", peer), "command_refused peer=%s action=%s reason=%s", sender,
+                                   msg.action, why)
+                return
+            self._command(peer, msg)
+            return
+        ident = parse_identity(peer)
+        child = self._child(ident[0], ident[1]) if ident else None
+        if child is None:
+            self.rejected_frames += 1
+            self._warn_limited(("unknown", peer), "reject kind=%s peer=%s reason=unknown_peer", msg.KIND, sender)
+            return
+        role, peer_gen = ident[0], ident[2]
+        if isinstance(msg, m.Error):  # logged even from a dead incarnation: it may say why it died
+            log.error("child_error %s=%d generation=%d fatal=%s message=%s", role, msg.index, msg.generation,
+                      msg.fatal, msg.message)
+            if role == "consumer" and msg.fatal:
+                self.consumer_error = msg.message
+            return
+        gen = getattr(msg, "generation", peer_gen) if role == "producer" else peer_gen  # a producer's own
+        if co.fenced(role, child.index, peer_gen, msg.KIND) or (gen != peer_gen and co.fenced(role, child.index, gen, msg.KIND)):
+            return
+        if isinstance(msg, m.Hello) and (role != msg.role or child.index != msg.index):
+            log.warning("reject hello peer=%s says %s-%s", sender, msg.role, msg.index)
+            return
+        if self.relay is not None and not isinstance(msg, m.Heartbeat):
+            self.relay.up(role, child.index, msg)  # node 0 keeps the ledger; the local handling below goes on
+        if isinstance(msg, m.Hello):
+            self.monitor.on_hello(child)
+            co.on_hello(role, msg.index, msg.generation)
+            log.info("hello %s=%d pid=%d generation=%d", role, msg.index, msg.pid, msg.generation)
+        elif isinstance(msg, m.Heartbeat):
+            self.monitor.on_heartbeat(child, msg.stats)
+            self.balance[(role, child.index)].update(peer_gen, msg.stats)
+        elif isinstance(msg, m.SlotReady) and role == "producer":
+            if co.on_slot_ready(msg):
+                self.monitor.on_progress(child)
+        elif isinstance(msg, m.BadBatch):
+            co.on_bad_batch(msg, from_consumer=(role == "consumer"))
+            self.monitor.on_progress(child)
+        elif isinstance(msg, m.SlotReleased) and role == "consumer":
+            co.on_slot_released(msg)
+            self.monitor.on_progress(child)
+        elif isinstance(msg, m.Trained) and role == "consumer":
+            self._on_trained(msg)
+            self.monitor.on_progress(child)
+        elif isinstance(msg, m.Checkpointed):
+            self.monitor.on_progress(child)
+            self.last_checkpoint = {"step": msg.step, "path": msg.path}
+            log.info("checkpoint step=%d path=%s", msg.step, msg.path)
+        else:
+            self.rejected_frames += 1
+            log.warning("reject kind=%s peer=%s reason=unexpected_for_role", msg.KIND, sender)
+
+    def _on_trained(self, msg: m.Trained) -> None:
+        co = self.coordinator
+        co.on_trained(msg)
+        self.trained_steps.append((int(msg.step), [int(b) for b in msg.batch_ids]))
+        if msg.consumer == 0:
+            now = time.monotonic()
+            if self.first_trained_at is None:
+                self.first_trained_at = now  # start-up (imports, model loads) is not throughput
+            else:
+                self.tokens_trained += msg.num_tokens * self._world()
+            self.last_trained_at = now
+            self.progress.update(msg.step, msg.loss, co)
+
+    def _world(self) -> int:
+        """Consumers of the run, every node's."""
+        return sum(self.topo.consumers) if self.topo is not None else len(self.consumers)
+
+    def status_rows(self) -> list[dict]:
+        rows = []
+        now = time.monotonic()
+        for c in self.producers + self.consumers:
+            row = {"role": c.role, "index": c.index, "pid": c.pid,
+                   "generation": self.coordinator.generation(c.role, c.index) if self.coordinator else 1,
+                   "state": c.state, "heartbeat_age_s": round(now - c.last_heartbeat, 1) if c.hello else None,
+                   "tokens_per_s": c.stats.get("tokens_per_s"), "gpu_mem_bytes": c.stats.get("gpu_mem_bytes"),
+                   "restarts": c.restarts, "work": c.stats.get("work"), "work_s": c.stats.get("work_s")}
+            row.update(self.balance[(c.role, c.index)].live())
+            row.update(self.monitor.sample(c))
+            if c.role == "producer" and self.coordinator:
+                row["ring"] = self.coordinator.occupancy(c.index)
+            rows.append(row)
+        return rows
+
+    def _command(self, peer: bytes, cmd: m.Command) -> None:
+        if cmd.action == "status":
+            co = self.coordinator
+            last = last_metrics(self.run_dir)
+            acc_key = "per_step_acc" if self.cfg.trainer.drafter == "eagle3" else "per_slot_acc"
+            data = {"rows": self.status_rows(), "run_id": self.run_id, "step": self.progress.step,
+                    "trained": len(co.trained), "planned": len(co.order), "loss": co.loss_last,
+                    "drafter": self.cfg.trainer.drafter, acc_key: last.get(acc_key), "acc_step": last.get("step"),
+                    "balance": self._balance(steady=False)}
+            reply = m.Reply(ok=True, text="", data=data)
+        elif cmd.action == "restart" and cmd.role == "producer" and self._child("producer", cmd.index):
+            child = self.producers[cmd.index]
+            if child.alive():
+                child.graceful_restart = True
+                self._send("producer", cmd.index, m.Shutdown(reason="restart requested"))
+                gen = self.coordinator.generation("producer", cmd.index)
+                log.info("restart_requested producer=%d generation=%d", cmd.index, gen)
+                reply = m.Reply(ok=True, text=f"producer {cmd.index} (generation {gen}) is restarting")
+            else:
+                reply = m.Reply(ok=False, text=f"producer {cmd.index} is not running (state {child.state})")
+        elif cmd.action == "stop":
+            self.stop_reason = self.stop_reason or "stop_requested"
+            reply = m.Reply(ok=True, text="stopping: consumers will checkpoint")
+        else:
+            reply = m.Reply(ok=False, text=f"unknown command {cmd.action!r} {cmd.role!r} {cmd.index}")
+        try:
+            channel.send(self.router, reply, to=peer)
+        except zmq.Again:  # its queue is full: it does not read what it asked for
+            self.gate.drop(peer)
+            self._warn_limited(("drop", peer), "peer_dropped peer=%s reason=not_reading drop_s=%g",
+                               peer_name(peer), self.gate.drop_s)
+        except zmq.ZMQError:
+            pass  # gone already
+
+    def _warn_limited(self, key, fmt: str, *args) -> None:
+        """``log.warning`` at most once per ``LOG_EVERY_S`` per key (a peer's flood is not a log flood)."""
+        if self.log_limiter.allow(key):
+            held = self.log_limiter.held(key)
+            log.warning(fmt + (f" (and {held} more like it in the last {LOG_EVERY_S:g} s)" if held else ""), *args)
+
+    def _drain_heartbeats(self) -> None:
+        """Take the balance figures of the heartbeats still queued once every child has exited (each child sends
+        one last heartbeat as it exits, after the loop stopped reading); every other frame is dropped."""
+        if getattr(self, "router", None) is None:
+            return
+        for _ in range(MAX_FRAMES_PER_TURN):
+            got = channel.recv_from(self.router, 0)
+            if got is None:
+                return
+            peer, msg = got
+            ident = parse_identity(peer)
+            if isinstance(msg, m.Heartbeat) and ident and self._child(ident[0], ident[1]) is not None \
+                    and msg.role == ident[0] and msg.index == ident[1] and msg.generation == ident[2]:
+                self.balance[(ident[0], ident[1])].update(ident[2], msg.stats)
+
+
+def peer_name(peer: bytes) -> str:
+    """A peer identity for a log line: as is when printable ASCII (children, ``launch.py``), else hex (the
+    random binary identity ZeroMQ gives an anonymous peer), so no log line carries raw bytes."""
+    if peer and all(32 < b < 127 for b in peer):
+        return peer.decode()
+    return "0x" + peer.hex()

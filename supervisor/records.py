@@ -1,0 +1,147 @@
+"""The supervisor's records of a run: throughput, balance, the trackers' figures and ``summary.json``.
+
+``RunRecords`` (a part of ``supervisor.supervisor.Supervisor``) derives the run's figures from what the
+supervisor saw: tokens/s between the first and the latest optimizer step, duty cycles and starvation
+(``shared.balance``), ring occupancy and restarts for the trackers of ``--report-to`` (``supervisor.reporting``),
+the last checkpoint (from messages, or from disk when its message was lost), the batches ``--resume`` will
+train, and at the end ``summary.json`` (its fields are listed in README "Outputs").
+
+State it uses on the supervisor: ``coordinator``, ``producers``/``consumers``, ``balance``, ``reporter``,
+``progress``, ``run_dir``, ``run_id``, ``trained_steps``, ``trained_at_start``, ``last_checkpoint``, the
+counters, and on several nodes ``topo``, ``link``, ``dead_nodes``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from specring.shared.balance import run_balance
+from specring.supervisor.coordinator import Coordinator
+from specring.supervisor.resume import checkpoint_step_on_disk
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Outcome:
+    """How a run ended: ``exit_reason`` (``done``, ``interrupted``, ``consumer_0_died``, ...) and the process
+    exit code (0 done, 130 interrupted, 1 otherwise)."""
+    exit_reason: str
+    exit_code: int
+
+
+class RunRecords:
+    """Figures and records of the run (see the module docstring); a part of ``Supervisor``."""
+
+    def pipeline_figures(self) -> dict[str, float]:
+        """The supervisor's own figures for the trackers: end-to-end tokens/s, slots of each producer's ring
+        by state (``pipeline/ring{i}_ready`` ...), restarts of each producer and in all, rejected messages."""
+        out = {"pipeline/tokens_per_s": self.tokens_per_s(),
+               "pipeline/restarts": float(sum(p.restarts for p in self.producers))}
+        for p in self.producers:
+            out[f"pipeline/producer{p.index}_restarts"] = float(p.restarts)
+            if self.coordinator is not None:
+                for state, n in self.coordinator.occupancy(p.index).items():
+                    out[f"pipeline/ring{p.index}_{state.lower()}"] = float(n)
+        if self.coordinator is not None:
+            out["pipeline/trained_batches"] = float(len(self.coordinator.trained))
+        return out
+
+    def _report(self, final: bool = False) -> None:
+        """Send what is new to the trackers (``Reporter.refresh``); the pipeline figures once per optimizer
+        step (and at the end), so that a slow run does not send the same step every second."""
+        if self.reporter is None:
+            return
+        step = self.progress.step
+        pipeline = self.pipeline_figures() if final or step != self._reported_step else None
+        self._reported_step = step
+        if final:
+            self.reporter.close(pipeline)
+        else:
+            self.reporter.refresh(pipeline)
+
+    def tokens_per_s(self) -> float:
+        """Target tokens trained per second between the first and the latest optimizer step (all ranks;
+        approximated as rank 0's tokens times the number of consumers)."""
+        if self.first_trained_at is None or self.last_trained_at == self.first_trained_at:
+            return 0.0
+        return self.tokens_trained / (self.last_trained_at - self.first_trained_at)
+
+    def _balance(self, steady: bool) -> dict:
+        """Duty cycles and starvation of the run's processes (``shared.balance.run_balance``)."""
+        return run_balance([self.balance[("producer", c.index)] for c in self.producers],
+                           [self.balance[("consumer", c.index)] for c in self.consumers], steady=steady)
+
+    def _checkpoint_from_disk(self) -> None:
+        """Take ``checkpoints/latest`` as the last checkpoint when it is newer than the last one reported."""
+        step = checkpoint_step_on_disk(self.run_dir)
+        if step is not None and step > self.last_checkpoint.get("step", -1):
+            self.last_checkpoint = {"step": step, "path": str(self.run_dir / "checkpoints" / f"step-{step:06d}")}
+
+    def _remaining(self, co: Coordinator) -> int:
+        """Planned batches that ``--resume`` will train: neither bad nor in the last checkpoint (batches
+        trained after it count: their weights were not saved)."""
+        step = self.last_checkpoint.get("step")
+        saved = set(self.trained_at_start)
+        for st, ids in self.trained_steps:
+            if step is not None and st <= step:
+                saved.update(ids)
+        return sum(1 for b in co.order if b not in saved and b not in co.bad)
+
+    def _tau_last(self) -> dict | None:
+        """``{"step", "tau_mean"}`` of the last record in ``eval.jsonl`` (None without one)."""
+        try:
+            lines = (self.run_dir / "eval.jsonl").read_text().splitlines()
+            rec = json.loads(lines[-1])
+            return {"step": int(rec["step"]), "tau_mean": float(rec["tau_mean"])}
+        except (OSError, IndexError, ValueError, KeyError, TypeError):
+            return None
+
+    def _write_summary(self, outcome: Outcome) -> None:
+        co = self.coordinator
+        elapsed = time.monotonic() - self.started_at
+        summary = {
+            "exit_reason": outcome.exit_reason,
+            "run_id": self.run_id,
+            "planned_batches": len(co.order) if co else 0,
+            "trained_before_resume": co.trained_before if co else 0,
+            "trained_batches": len(co.trained) if co else 0,
+            "duplicate_batches": co.duplicates if co else 0,
+            # lost: a finished run that did not train a batch it planned (must be 0); remaining: batches a
+            # stopped run has not reached yet (--resume trains them)
+            "lost_batches": len(co.lost()) if co and outcome.exit_reason == "done" else 0,
+            "remaining_batches": self._remaining(co) if co and outcome.exit_reason != "done" else 0,
+            "bad_batches": len(co.bad) if co else 0,
+            # batches of steps that updated no weight (no labels, non-finite loss); counted in trained_batches
+            "skipped_batches": len(co.skipped) if co else 0,
+            "updated_steps": co.updated_steps if co else 0,
+            "restarts": {str(c.index): c.restarts for c in self.producers},
+            "loss_first": co.loss_first if co else None,
+            "loss_last": co.loss_last if co else None,
+            "tokens_per_s": round(self.tokens_per_s(), 1),
+            "elapsed_s": round(elapsed, 2),
+            "rejected_messages": dict(co.rejected) if co else {},
+            "rejected_frames": self.rejected_frames,
+            "refused_commands": self.refused_commands,
+            "last_checkpoint": self.last_checkpoint,
+            "tau_last": self._tau_last(),
+            # duty cycle of producers, starvation of consumers, capacity per process (shared.balance)
+            "balance": self._balance(steady=True),
+        }
+        if self.topo is not None:
+            summary["nodes"] = {"nnodes": self.topo.nnodes, "node_rank": self.cfg.nodes.node_rank,
+                                "producers": self.topo.producers, "consumers": self.topo.consumers,
+                                "dead_nodes": sorted(self.dead_nodes),
+                                "relocated_batches": getattr(co, "relocated", 0),
+                                "rejected_node_frames": self.link.rejected if self.link else 0,
+                                "refused_node_peers": self.link.allowed.refused if self.link and self.link.allowed
+                                else 0}
+        p = self.run_dir / "summary.json"
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=1))
+        os.replace(tmp, p)
+        self.summary = summary
