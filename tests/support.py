@@ -6,6 +6,8 @@ Nothing here starts a process; helpers that drive the real launcher are in ``tes
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sysconfig
 import time
 from pathlib import Path
@@ -147,3 +149,18 @@ class NoDraftProposer:
 
     def propose(self, tokens: list[int], k: int) -> list[int]:
         return []
+
+
+@contextlib.contextmanager
+def temp_ring(num_slots: int, slot_bytes: int):
+    """A real shared-memory ring of ``num_slots`` slots of ``slot_bytes`` bytes under a fresh run id, closed and
+    unlinked at the end; then asserts that its segment is gone from ``/dev/shm``."""
+    from specring.shared.transport import ring
+
+    r = ring.Ring.create(ring.segment_name(ring.new_run_id(), "ut"), num_slots=num_slots, slot_bytes=slot_bytes)
+    try:
+        yield r
+    finally:
+        r.close()
+        r.unlink()
+    assert not os.path.exists(os.path.join(ring.SHM_DIR, r.name))

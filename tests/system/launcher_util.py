@@ -64,6 +64,21 @@ def metrics_batch_ids(run_dir: Path) -> list[int]:
     return out
 
 
+def run_launcher(flags: list[str], log_path: Path, timeout_s: float, env: dict | None = None) -> tuple[int, str]:
+    """Run ``launch.py train FLAGS`` to its end (output to ``log_path``); returns ``(exit code, its output)``.
+    Killed with every process it started, and the wait's ``TimeoutExpired`` raised, if it runs past
+    ``timeout_s``."""
+    from benchmarks.launcher import kill_tree, start_launcher
+
+    proc = start_launcher(flags, env=env, log_path=log_path)
+    try:
+        code = proc.wait(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    return code, Path(log_path).read_text(errors="replace")
+
+
 def summary(run_dir: Path) -> dict:
     """The run's ``summary.json``; first asserts that the supervisor's handlers never raised on a frame (a
     ``reason=handler_error`` line in ``logs/supervisor.log`` is a bug in our code, which the loop survives by

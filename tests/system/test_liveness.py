@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.launcher import kill_tree, start_launcher
-from tests.system.launcher_util import metrics_batch_ids, small_flags, summary
+from tests.system.launcher_util import metrics_batch_ids, run_launcher, small_flags, summary
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,14 +23,8 @@ def test_batches_slower_than_the_hang_timeout_train_and_a_stalled_forward_is_kil
     cfg = tmp_path / "run.toml"
     cfg.write_text("[monitor]\nbatch_timeout_s = 8.0\n")
     flags = small_flags(dataset, run_dir, 4, hang_timeout_s=3, max_restarts=2)
-    proc = start_launcher(["--config", str(cfg), *flags], log_path=tmp_path / "launcher.log",
-                          env={"SPECRING_SLOW_FORWARD_S": "4", "SPECRING_STALL_FORWARD": "0:1"})
-    try:
-        code = proc.wait(timeout=200)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    log = (tmp_path / "launcher.log").read_text()
+    code, log = run_launcher(["--config", str(cfg), *flags], tmp_path / "launcher.log", 200,
+                             env={"SPECRING_SLOW_FORWARD_S": "4", "SPECRING_STALL_FORWARD": "0:1"})
     assert code == 0, log[-4000:]
     s = summary(run_dir)
     assert s["exit_reason"] == "done" and s["restarts"] == {"0": 1, "1": 0}, s

@@ -18,11 +18,10 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from benchmarks.launcher import kill_tree, start_launcher
 from specring.cli.train import build_parser, config_from_args
 from specring.supervisor.runplan import resolve_run
 from tests.support import REPO
-from tests.system.launcher_util import segments_of, small_flags, summary
+from tests.system.launcher_util import run_launcher, segments_of, small_flags, summary
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,13 +64,7 @@ def test_a_run_whose_every_step_is_skipped_ends_nothing_trained(tmp_path):
     used = {s for b in plan.order for s in b.sample_ids}
     spare = min(set(range(len(lengths))) - used)      # masks do not shape the plan: rewriting them keeps it
     write_rows(data, [[1] * n if i == spare else alternating(n) for i, n in enumerate(lengths)])
-    proc = start_launcher(flags, log_path=tmp_path / "launcher.log")
-    try:
-        code = proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    log = (tmp_path / "launcher.log").read_text()
+    code, log = run_launcher(flags, tmp_path / "launcher.log", 240)
     s = summary(tmp_path / "run")
     assert code == 1, log[-3000:]
     assert s["exit_reason"] == "nothing_trained", s

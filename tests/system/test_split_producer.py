@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.launcher import kill_tree, start_launcher
-from tests.system.launcher_util import metrics_batch_ids, segments_of, small_flags, summary
+from tests.system.launcher_util import metrics_batch_ids, run_launcher, segments_of, small_flags, summary
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -14,13 +13,8 @@ pytestmark = pytest.mark.timeout(180)
 def test_a_producer_over_a_device_group_trains_every_batch_once(dataset, tmp_path):
     run_dir = tmp_path / "run"
     flags = small_flags(dataset, run_dir, 6, producers="cpu+cpu", checkpoint_every=6)
-    proc = start_launcher(flags, log_path=tmp_path / "launcher.log")
-    try:
-        code = proc.wait(timeout=150)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    assert code == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+    code, log = run_launcher(flags, tmp_path / "launcher.log", 150)
+    assert code == 0, log[-3000:]
     s = summary(run_dir)
     ids = metrics_batch_ids(run_dir)
     assert s["exit_reason"] == "done" and s["planned_batches"] == 6 and s["trained_batches"] == 6, s

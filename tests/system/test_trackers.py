@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.launcher import kill_tree, start_launcher
 from tests.support import REPO, make_dataset
-from tests.system.launcher_util import small_flags, summary
+from tests.system.launcher_util import run_launcher, small_flags, summary
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,13 +38,7 @@ def test_a_run_reports_to_tensorboard_wandb_and_mlflow(tmp_path, monkeypatch):
     data = make_dataset(tmp_path / "d.arrow")
     run = tmp_path / "run"
     flags = small_flags(data, run, steps) + ["--report-to", "tensorboard,wandb,mlflow"]
-    proc = start_launcher(flags, env=tracker_env(tmp_path, monkeypatch), log_path=tmp_path / "launcher.log")
-    try:
-        code = proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    log = (tmp_path / "launcher.log").read_text()
+    code, log = run_launcher(flags, tmp_path / "launcher.log", 240, env=tracker_env(tmp_path, monkeypatch))
     assert code == 0, log[-3000:]
     assert summary(run)["exit_reason"] == "done"
     assert "report_to backend=" not in (run / "logs" / "supervisor.log").read_text()  # none disabled or dropped

@@ -7,8 +7,6 @@ fixture's teardown. References are plain Hugging Face forwards of each sequence 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -19,6 +17,7 @@ from specring.shared.errors import ConfigError
 from specring.shared.models.target import load_target
 from specring.shared.transport import layout, messages, ring
 from specring.shared.transport.ring import EMPTY, PUBLISHED, Ring
+from tests.support import temp_ring
 
 H = 256
 PAD = 3
@@ -34,13 +33,8 @@ def model():
 
 @pytest.fixture
 def slot_ring():
-    r = Ring.create(ring.segment_name(ring.new_run_id(), "ut"), num_slots=3, slot_bytes=1 << 21)
-    try:
+    with temp_ring(3, 1 << 21) as r:
         yield r
-    finally:
-        r.close()
-        r.unlink()
-    assert not os.path.exists(os.path.join(ring.SHM_DIR, r.name))
 
 
 def sequences(lengths, seed=0):

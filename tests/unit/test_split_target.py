@@ -10,7 +10,6 @@ distinct devices (accelerate's hooks, installed by transformers) needs several G
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest
@@ -27,20 +26,15 @@ from specring.shared.models.target import (
     load_target,
     meta_model,
 )
-from specring.shared.transport import layout, messages, ring
-from specring.shared.transport.ring import Ring
+from specring.shared.transport import layout, messages
+from tests.support import temp_ring
 from tests.unit.test_producer import make_batch, sequences
 
 
 @pytest.fixture
 def slot_ring():
-    r = Ring.create(ring.segment_name(ring.new_run_id(), "ut"), num_slots=2, slot_bytes=1 << 22)
-    try:
+    with temp_ring(2, 1 << 22) as r:
         yield r
-    finally:
-        r.close()
-        r.unlink()
-    assert not os.path.exists(os.path.join(ring.SHM_DIR, r.name))
 
 
 def test_device_groups_are_parsed_and_bad_ones_named():
