@@ -1,9 +1,10 @@
-"""The DFlash training logic, steppable in-process: ``Trainer.step(batch, batch_ids)``; no sockets.
+"""The drafter training logic (DFlash, and EAGLE-3 through ``consumer/eagle3_ttt.py``), steppable in-process:
+``Trainer.step(batch, batch_ids)``; no sockets.
 
 ``consumer/main.py`` (the process) copies a slot's tensors to the device, releases the slot and calls
 ``step``; tests call it directly. One ``Trainer`` per data-parallel rank.
 
-What a step does (DFlash paper, training section; SpecForge ``specforge/core/dflash.py`` for the same
+What a DFlash step does (DFlash paper, training section; SpecForge ``specforge/core/dflash.py`` for the same
 loss): sample anchors (``consumer/blocks.py``), build blocks and labels (the data's tokens, or with
 ``label_source="target"`` the target's own greedy next tokens that the producer put in the slot), run the
 drafter (on CUDA one forward over the whole batch with block-sparse flex attention; on CPU over groups of
