@@ -165,10 +165,11 @@ from specring.shared.procs import RUN_ID_ENV, become_subreaper, kill_orphans
 assert become_subreaper()
 env = dict(os.environ, **{RUN_ID_ENV: "run1"})
 other = {k: v for k, v in os.environ.items() if k != RUN_ID_ENV}
-# a shell that starts two sleeps and exits at once: both become orphans, i.e. children of this process
-sh = "sleep 60 >/dev/null 2>&1 & echo $!; env -u SPECRING_RUN_ID sleep 60 >/dev/null 2>&1 & echo $!"
-out = subprocess.run(["sh", "-c", sh], env=env, capture_output=True, text=True, start_new_session=True).stdout
-ours, foreign = (int(x) for x in out.split())
+# shells that start a sleep and exit at once: the sleeps become orphans, i.e. children of this process. The
+# foreign one never carries the run id (not even between fork and exec: a kill then would be right)
+sh = "sleep 60 >/dev/null 2>&1 & echo $!"
+ours, foreign = (int(subprocess.run(["sh", "-c", sh], env=e, capture_output=True, text=True,
+                                    start_new_session=True).stdout) for e in (env, other))
 killed, deadline = [], time.monotonic() + 10
 while time.monotonic() < deadline:
     k, pending = kill_orphans(set(), "run1")
