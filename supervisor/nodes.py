@@ -133,27 +133,30 @@ def rendezvous(cfg, plan, ctx: zmq.Context, run_dir: str):
     mine = {"producers": len(cfg.producer.devices), "consumers": len(cfg.trainer.devices), "plan": record}
     if rank == 0:
         link = NodeLink.server(ctx, nc.master_addr)
-        info = dict(mine, endpoint=link.endpoint, server_key=link.public_key.decode(),
-                    dp_prefix=f"{base}dp-{secrets.token_hex(6)}/",
-                    checkpoints_dir=os.path.join(os.path.abspath(run_dir), "checkpoints"))
-        _register(store, base + "node0", info, cfg)
-        producers, consumers, errors = [mine["producers"]], [mine["consumers"]], []
-        for k in range(1, nc.nnodes):
-            other = json.loads(_get(store, f"{base}node{k}", f"node {k}", cfg))
-            diff = plan_differences(record, other["plan"])
-            why = (f"node {k}'s run differs from node 0's in {', '.join(diff)}: every node must give the same flags "
-                   f"(and data), and run the same number of consumers") if diff else ""
-            store.set(f"{base}verdict{k}", why or "ok")
-            if why:
-                errors.append(why)
-            link.allow(other["client_key"].encode(), k)
-            producers.append(int(other["producers"]))
-            consumers.append(int(other["consumers"]))
-        if errors:
+        try:  # the link holds a socket and an authenticator thread: closed on any failure, or ctx.term() hangs
+            info = dict(mine, endpoint=link.endpoint, server_key=link.public_key.decode(),
+                        dp_prefix=f"{base}dp-{secrets.token_hex(6)}/",
+                        checkpoints_dir=os.path.join(os.path.abspath(run_dir), "checkpoints"))
+            _register(store, base + "node0", info, cfg)
+            producers, consumers, errors = [mine["producers"]], [mine["consumers"]], []
+            for k in range(1, nc.nnodes):
+                other = json.loads(_get(store, f"{base}node{k}", f"node {k}", cfg))
+                diff = plan_differences(record, other["plan"])
+                why = (f"node {k}'s run differs from node 0's in {', '.join(diff)}: every node must give the same flags "
+                       f"(and data), and run the same number of consumers") if diff else ""
+                store.set(f"{base}verdict{k}", why or "ok")
+                if why:
+                    errors.append(why)
+                link.allow(other["client_key"].encode(), k)
+                producers.append(int(other["producers"]))
+                consumers.append(int(other["consumers"]))
+            if errors:
+                raise ConfigError("; ".join(errors))
+            topo = NodeTopology(nc.nnodes, 0, producers, consumers, f"{nc.master_addr}:{nc.master_port}",
+                                info["dp_prefix"], info["checkpoints_dir"])
+        except BaseException:
             link.close()
-            raise ConfigError("; ".join(errors))
-        topo = NodeTopology(nc.nnodes, 0, producers, consumers, f"{nc.master_addr}:{nc.master_port}",
-                            info["dp_prefix"], info["checkpoints_dir"])
+            raise
     else:
         pub, sec = zmq.curve_keypair()
         _register(store, f"{base}node{rank}", dict(mine, client_key=pub.decode()), cfg)

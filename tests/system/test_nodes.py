@@ -112,3 +112,15 @@ def test_a_node_killed_mid_run_stops_the_run_and_resume_completes_it_exactly_onc
     s2 = assert_exactly_once(a, planned=16)
     assert s2["exit_reason"] == "done" and s2["trained_before_resume"] > 0, s2
     assert "resume checkpoint=" in (b / "logs" / "consumer-0.log").read_text()  # node 1 resumed node 0's weights
+
+
+def test_node_0_alone_stops_with_the_rendezvous_error_and_leaves_nothing(dataset, tmp_path):
+    """Node 1 never comes (a wrong --master-port, never started): node 0 must end with the rendezvous error, not
+    hang closing the node link it had opened for node 1 (the rings are created only after the rendezvous)."""
+    run_dir = tmp_path / "n0"
+    flags = node_flags(dataset, run_dir, 4, 0, free_port()) + ["--nodes.rendezvous-timeout-s", "2"]
+    proc = start_launcher(flags, log_path=tmp_path / "n0.log")
+    [code] = finish([proc], 60)
+    log = (tmp_path / "n0.log").read_text()
+    assert code != 0, log[-3000:]
+    assert "node 1 did not arrive at the rendezvous store" in log, log[-3000:]
