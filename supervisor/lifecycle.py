@@ -31,11 +31,30 @@ from specring.supervisor.monitor import Child
 log = logging.getLogger(__name__)
 
 ORPHAN_REAP_S = 3.0  # at the end, how long to wait for killed orphans to be reaped
+UNWATCHED_S = 2.0  # a turn of the loop longer than this is the supervisor's own stall (see _credit_own_stall)
 SHUTDOWN_CAP_FACTOR = 5  # a consumer still heartbeating after shutdown is waited for at most this many shutdown_timeout_s
 
 
 class ChildLifecycle:
     """Children from restart to shutdown (see the module docstring); a part of ``Supervisor``."""
+
+    def _credit_own_stall(self) -> None:
+        """Once per turn of the loop: if the supervisor itself did not turn for more than ``UNWATCHED_S`` (a
+        blocking call, SIGSTOP, swapping), the time past ``UNWATCHED_S`` does not count against its children's
+        hang clocks (``HealthMonitor.unwatched``) nor against the other nodes' silence: what they sent meanwhile
+        is still queued, unread."""
+        now = time.monotonic()
+        last, self._last_turn = self._last_turn, now
+        gap = 0.0 if last is None else now - last
+        if gap <= UNWATCHED_S:
+            return
+        # only the excess is credited: a loop whose every turn is slow still finds a child that really hangs
+        credit = gap - UNWATCHED_S
+        log.warning("supervisor_stalled s=%.1f: %.1f s not counted against the children or the other nodes", gap,
+                    credit)
+        self.monitor.unwatched(self.producers + self.consumers, credit)
+        for k, seen in self.node_seen.items():
+            self.node_seen[k] = min(seen + credit, now)
 
     def _kill_orphans(self) -> int:
         """Kill and reap processes that a child started and left behind (its helpers once it has exited: the

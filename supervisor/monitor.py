@@ -86,6 +86,16 @@ class HealthMonitor:
     def on_progress(self, child: Child) -> None:
         child.last_progress = self.clock()
 
+    def unwatched(self, children, gap_s: float) -> None:
+        """The supervisor did not read its socket for ``gap_s`` seconds (its own stall: a blocking call, a
+        SIGSTOP, swapping): the children's heartbeats of that time are still queued, so their clocks are moved
+        forward by ``gap_s`` (never past now) and that time does not count against them as a hang."""
+        now = self.clock()
+        for c in children:
+            c.started_at = min(c.started_at + gap_s, now)
+            c.last_heartbeat = min(c.last_heartbeat + gap_s, now)
+            c.last_progress = min(c.last_progress + gap_s, now)
+
     def hung(self, child: Child) -> str:
         """Why ``child`` counts as hung ("" if it does not)."""
         if not child.alive() or child.state in ("stopping",):

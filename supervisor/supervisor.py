@@ -126,6 +126,7 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
         self.node_bye: set[int] = set()
         self.dead_nodes: set[int] = set()
         self.stop_from_node0 = False
+        self._last_turn: float | None = None  # when the loop last turned (ChildLifecycle._credit_own_stall)
 
     def _setup(self) -> None:
         cfg = self.cfg
@@ -255,6 +256,7 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
                 self._handle_safely(*got)
                 handled += 1
                 got = channel.recv_from(self.router, 0) if handled < MAX_FRAMES_PER_TURN else None
+            self._credit_own_stall()
             self._poll_nodes()
             co.pump(self._send)  # only what could be queued is recorded: nothing to roll back
             self._watch()

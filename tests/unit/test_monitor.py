@@ -54,6 +54,22 @@ def test_a_batch_slower_than_the_hang_timeout_is_not_a_hang_while_heartbeats_go_
         assert mon.hung(child) == "", k
 
 
+def test_the_supervisors_own_stall_is_not_the_childrens_hang_but_a_real_hang_is_still_found():
+    mon, child, clock = monitor_and_child()            # hang_timeout_s 5
+    fresh = Child("consumer", 0)
+    mon.started(fresh, Running())
+    mon.on_hello(fresh)
+    beat(mon, child, clock, "", 0.0)
+    clock.t += 9.0                                     # the supervisor was stopped 9 s; heartbeats queued unread
+    mon.on_heartbeat(fresh, {"work": "", "work_s": 0.0})  # one of them already read this turn
+    assert mon.hung(child).startswith("no heartbeat or progress for 9.0s")
+    mon.unwatched([child, fresh], 9.0)
+    assert mon.hung(child) == "" and mon.hung(fresh) == ""
+    assert fresh.last_heartbeat == clock.t             # never moved past now
+    clock.t += 5.5                                     # ... but a child that really stays silent is still hung
+    assert mon.hung(child).startswith("no heartbeat or progress")
+
+
 def test_a_batch_over_batch_timeout_is_a_hang_although_heartbeats_go_on():
     mon, child, clock = monitor_and_child()
     for k in range(1, 62):
