@@ -99,7 +99,9 @@ class NodeEvents:
             self._handle_remote(nm.node, nm.role, nm.index, msg)
         elif nm.event == "producer_died":
             gen = co.producer_died(nm.index)
-            log.info("restart producer=%d node=%d generation=%d", nm.index, nm.node, gen)
+            self.remote_producer_deaths[nm.index] = self.remote_producer_deaths.get(nm.index, 0) + 1
+            log.info("fence producer=%d node=%d generation=%d (its node restarts it unless at its restart limit)",
+                     nm.index, nm.node, gen)
         elif nm.event == "send_failed":  # node nm.node could not pass a lease or delivery on: take it back
             msg = m.decode(nm.body)
             if isinstance(msg, m.SlotReady) and nm.role == "consumer":

@@ -137,6 +137,10 @@ class RunRecords:
                                 "producers": self.topo.producers, "consumers": self.topo.consumers,
                                 "dead_nodes": sorted(self.dead_nodes),
                                 "relocated_batches": getattr(co, "relocated", 0),
+                                # node 0: deaths of other nodes' producers (global index); their restarts are
+                                # in those nodes' summaries
+                                "producer_deaths_on_other_nodes": {str(k): v for k, v in
+                                                                   sorted(self.remote_producer_deaths.items())},
                                 "rejected_node_frames": self.link.rejected if self.link else 0,
                                 "refused_node_peers": self.link.allowed.refused if self.link and self.link.allowed
                                 else 0}

@@ -126,6 +126,7 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
         self.node_bye: set[int] = set()
         self.dead_nodes: set[int] = set()
         self.stop_from_node0 = False
+        self.remote_producer_deaths: dict[int, int] = {}  # node 0: global producer index -> deaths reported
         self._last_turn: float | None = None  # when the loop last turned (ChildLifecycle._credit_own_stall)
 
     def _setup(self) -> None:

@@ -76,7 +76,8 @@ def test_two_nodes_train_every_batch_once_and_heal_a_producer_of_node_1(dataset,
     assert s["exit_reason"] == "done" and s["nodes"]["nnodes"] == 2 and s["nodes"]["consumers"] == [1, 1], s
     s1 = summary(b)
     assert s1["exit_reason"] == "done" and s1["restarts"] == {"0": 1}, s1
-    assert "restart producer=1 node=1 generation=2" in (a / "logs" / "supervisor.log").read_text()
+    assert "fence producer=1 node=1 generation=2" in (a / "logs" / "supervisor.log").read_text()
+    assert s["nodes"]["producer_deaths_on_other_nodes"] == {"1": 1}, s
     # rank 1 (node 1) trained half of every step from its own producer, which was started twice
     assert (b / "logs" / "producer-0.log").read_text().count("serving ring=") == 2
     assert "rendezvous node=1 nnodes=2" in (b / "logs" / "supervisor.log").read_text()
