@@ -79,6 +79,28 @@ def run_launcher(flags: list[str], log_path: Path, timeout_s: float, env: dict |
     return code, Path(log_path).read_text(errors="replace")
 
 
+def interrupt_after_checkpoint(flags: list[str], run_dir: Path, log_path: Path, while_running=None,
+                               timeout_s: float = 180) -> tuple[int, str]:
+    """Start ``launch.py train FLAGS``, wait (up to ``timeout_s``) for its first checkpoint in ``run_dir``, call
+    ``while_running()`` (checks of the live run), then SIGINT it and wait up to 90 s for it to stop; returns
+    ``(exit code, its output)``. Whatever is still running at the end is killed with everything it started."""
+    import signal
+
+    from benchmarks.launcher import kill_tree, start_launcher
+
+    proc = start_launcher(flags, log_path=log_path)
+    try:
+        wait_for(lambda: (run_dir / "checkpoints" / "latest").is_file(), timeout_s, "a checkpoint")
+        if while_running is not None:
+            while_running()
+        os.kill(proc.pid, signal.SIGINT)
+        code = proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    return code, Path(log_path).read_text(errors="replace")
+
+
 def summary(run_dir: Path) -> dict:
     """The run's ``summary.json``; first asserts that the supervisor's handlers never raised on a frame (a
     ``reason=handler_error`` line in ``logs/supervisor.log`` is a bug in our code, which the loop survives by

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from benchmarks.launcher import kill_tree, start_launcher
 from specring.cli.eval import main as eval_main
 from specring.cli.export import main as export_main
 from specring.cli.export_eagle3 import check_eagle3_export
@@ -31,7 +29,14 @@ from specring.shared.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 from specring.shared.models.eagle3 import default_eagle3_layer_ids, draft_to_target
 from specring.shared.models.target_config import read_target_config, text_config
 from tests.support import REPO, TARGET
-from tests.system.launcher_util import metrics_batch_ids, segments_of, small_flags, summary, wait_for
+from tests.system.launcher_util import (
+    interrupt_after_checkpoint,
+    metrics_batch_ids,
+    run_launcher,
+    segments_of,
+    small_flags,
+    summary,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,14 +69,6 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _wait(proc: subprocess.Popen, timeout_s: float) -> int:
-    try:
-        return proc.wait(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-
-
 def _assert_every_batch_once(run_dir: Path, planned: int) -> list[dict]:
     s = summary(run_dir)
     ids = metrics_batch_ids(run_dir)
@@ -86,8 +83,8 @@ def test_an_eagle3_run_trains_to_completion_exports_and_evaluates(dataset, tmp_p
     run_dir, steps = tmp_path / "run", 6
     flags = eagle3_flags(dataset, run_dir, steps, heldout=dataset, eval_prompts=2, eval_prompt_len=32,
                          eval_max_new_tokens=8)
-    proc = start_launcher(flags, log_path=tmp_path / "train.log")
-    assert _wait(proc, 240) == 0, (tmp_path / "train.log").read_text()[-3000:]
+    code, log = run_launcher(flags, tmp_path / "train.log", 240)
+    assert code == 0, log[-3000:]
 
     shape = _target_shape()
     vocab, layers = int(shape["vocab_size"]), int(shape["num_hidden_layers"])
@@ -146,20 +143,16 @@ def test_an_eagle3_run_trains_to_completion_exports_and_evaluates(dataset, tmp_p
 
 def test_an_interrupted_eagle3_run_resumes_exactly_with_its_draft_vocabulary(dataset, tmp_path, capsys):
     run_dir, steps = tmp_path / "run", 24
-    proc = start_launcher(eagle3_flags(dataset, run_dir, steps, checkpoint_every=2, eval_prompts=0),
-                          log_path=tmp_path / "first.log")
-    try:
-        wait_for(lambda: (run_dir / "checkpoints" / "latest").is_file(), 180, "a checkpoint")
+
+    def accuracy_per_ttt_step_in_status():
         capsys.readouterr()
         assert status_main(["--run-dir", str(run_dir)]) == 0                # the live run's accuracy per TTT step
         line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("eagle3 accuracy per TTT step"))
         assert [x.split(":")[0] for x in line.split("): ")[1].split()] == [str(k) for k in range(TTT_STEPS)], line
-        os.kill(proc.pid, signal.SIGINT)
-        code = proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    assert code == 130, (tmp_path / "first.log").read_text()[-3000:]
+
+    code, log = interrupt_after_checkpoint(eagle3_flags(dataset, run_dir, steps, checkpoint_every=2, eval_prompts=0),
+                                           run_dir, tmp_path / "first.log", accuracy_per_ttt_step_in_status)
+    assert code == 130, log[-3000:]
     s1 = summary(run_dir)
     assert s1["exit_reason"] == "interrupted" and 0 < s1["trained_batches"] < steps, s1
     vocab_file = run_dir / DRAFT_VOCAB_FILE
@@ -178,8 +171,8 @@ def test_an_interrupted_eagle3_run_resumes_exactly_with_its_draft_vocabulary(dat
     assert train_main(["--run-dir", str(run_dir), "--resume", "--draft-vocab", "1024"]) == 2
     assert "--draft-vocab cannot change when resuming (the run trained with 512)" in capsys.readouterr().err
 
-    proc = start_launcher(["--run-dir", str(run_dir), "--resume"], log_path=tmp_path / "second.log")
-    assert _wait(proc, 240) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    code, log = run_launcher(["--run-dir", str(run_dir), "--resume"], tmp_path / "second.log", 240)
+    assert code == 0, log[-3000:]
     s2 = summary(run_dir)
     assert s2["exit_reason"] == "done" and s2["trained_before_resume"] > 0, s2
     records = _assert_every_batch_once(run_dir, steps)

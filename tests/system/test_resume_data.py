@@ -10,8 +10,6 @@ record is compared on the batches both lengths plan); a changed plan-shaping set
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,11 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.launcher import kill_tree, start_launcher
 from specring.cli.prepare import main as prepare_main
 from specring.cli.train import train_main
 from tests.support import REPO
-from tests.system.launcher_util import small_flags, summary, wait_for
+from tests.system.launcher_util import interrupt_after_checkpoint, small_flags, summary
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -44,15 +41,9 @@ def test_resume_onto_rewritten_data_is_refused_and_onto_the_same_data_accepted(t
     b = write_tokens(tmp_path / "b.jsonl", lengths, seed=2)
     data, run_dir = tmp_path / "D.arrow", tmp_path / "run"
     prepare(a, data)
-    proc = start_launcher(small_flags(data, run_dir, 40, checkpoint_every=2), log_path=tmp_path / "first.log")
-    try:
-        wait_for(lambda: (run_dir / "checkpoints" / "latest").is_file(), 180, "a checkpoint")
-        os.kill(proc.pid, signal.SIGINT)
-        code = proc.wait(timeout=90)
-    finally:
-        if proc.poll() is None:
-            kill_tree(proc)
-    assert code == 130, (tmp_path / "first.log").read_text()[-3000:]
+    code, log = interrupt_after_checkpoint(small_flags(data, run_dir, 40, checkpoint_every=2), run_dir,
+                                           tmp_path / "first.log")
+    assert code == 130, log[-3000:]
     before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if p.is_file()}
 
     prepare(b, data)                                   # D rewritten: same lengths, other tokens
