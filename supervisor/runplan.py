@@ -244,6 +244,7 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         check_device(d, "--consumers")
     shape = target_shape(cfg.producer.target)
     L, H = int(shape["num_hidden_layers"]), int(shape["hidden_size"])
+    vocab = int(shape.get("vocab_size") or 0)  # 0: config.json does not say
     asked_ids, asked_n = cfg.producer.target_layer_ids, cfg.producer.num_target_layers
     eagle3 = cfg.trainer.drafter == "eagle3"
     if eagle3:
@@ -259,7 +260,6 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     cfg.trainer.distill_topk = cfg.trainer.resolved_distill_topk()
     notes = []
     if eagle3:
-        vocab = int(shape.get("vocab_size") or 0)
         if vocab and cfg.trainer.draft_vocab > vocab:
             notes.append(f"--draft-vocab {cfg.trainer.draft_vocab} exceeds the target's vocabulary of {vocab}: "
                          f"the draft vocabulary is the whole vocabulary")
@@ -331,6 +331,5 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
                    slot_bytes=cfg.ring.slot_bytes, ring_bytes=ring_bytes, target_layer_ids=list(ids),
                    hidden_size=H, num_layers=L, dtype_per_producer=[DTYPE_NAMES[d] for d in dtypes],
                    plan_summary=plan.summary(), notes=notes, data_digest=ds.content_digest(), data_samples=len(ds),
-                   data_tokens=ds.num_tokens, batch_plan=plan, vocab_size=int(shape.get("vocab_size") or 0),
-                   draft_vocab_size=(min(cfg.trainer.draft_vocab, int(shape.get("vocab_size") or cfg.trainer.draft_vocab))
-                                     if eagle3 else 0))
+                   data_tokens=ds.num_tokens, batch_plan=plan, vocab_size=vocab,
+                   draft_vocab_size=min(cfg.trainer.draft_vocab, vocab or cfg.trainer.draft_vocab) if eagle3 else 0)

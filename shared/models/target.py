@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from specring.shared.devices import resolve_device, resolve_device_group, resolve_dtype
+from specring.shared.devices import resolve_device_group, resolve_dtype
 from specring.shared.errors import ConfigError
 from specring.shared.hub import load_pretrained
 from specring.shared.models.target_config import read_target_config
@@ -141,9 +141,9 @@ def check_checkpoint(path: str | Path, trust_remote_code: bool = False):
         raise ConfigError(f"target {str(path)!r} is not a directory (expected a Hugging Face checkpoint directory)")
     raw = read_target_config(path, flag=f"target {str(path)!r}")
     model_type = raw.get("model_type")
-    remote = trust_remote_code and "AutoModelForCausalLM" in (raw.get("auto_map") or {})
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote \
-            and "AutoModelForCausalLM" in (raw.get("auto_map") or {}):
+    ships_code = "AutoModelForCausalLM" in (raw.get("auto_map") or {})
+    remote = trust_remote_code and ships_code
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote and ships_code:
         raise ConfigError(f"target {str(path)!r}: model_type {model_type!r} is defined by the checkpoint's own code "
                           f"(auto_map); pass --trust-remote-code to let transformers run it")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote:
@@ -243,7 +243,7 @@ def load_target(path: str | Path, device: str | torch.device, dtype: str | torch
     """
     from transformers.utils import is_accelerate_available
 
-    group = [resolve_device(device)] if isinstance(device, torch.device) else resolve_device_group(device)
+    group = resolve_device_group(device)
     dev = group[0]
     torch_dtype = resolve_dtype(dtype, dev)
     p = Path(path).expanduser()
