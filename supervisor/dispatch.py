@@ -110,18 +110,9 @@ class MessageDispatch:
         elif isinstance(msg, m.Heartbeat):
             self.monitor.on_heartbeat(child, msg.stats)
             self.balance[(role, child.index)].update(peer_gen, msg.stats)
-        elif isinstance(msg, m.SlotReady) and role == "producer":
-            if co.on_slot_ready(msg):
+        elif (progress := self._to_ledger(role, msg)) is not None:
+            if progress:
                 self.monitor.on_progress(child)
-        elif isinstance(msg, m.BadBatch):
-            co.on_bad_batch(msg, from_consumer=(role == "consumer"))
-            self.monitor.on_progress(child)
-        elif isinstance(msg, m.SlotReleased) and role == "consumer":
-            co.on_slot_released(msg)
-            self.monitor.on_progress(child)
-        elif isinstance(msg, m.Trained) and role == "consumer":
-            self._on_trained(msg)
-            self.monitor.on_progress(child)
         elif isinstance(msg, m.Checkpointed):
             self.monitor.on_progress(child)
             self.last_checkpoint = {"step": msg.step, "path": msg.path}
@@ -129,6 +120,24 @@ class MessageDispatch:
         else:
             self.rejected_frames += 1
             log.warning("reject kind=%s peer=%s reason=unexpected_for_role", msg.KIND, sender)
+
+    def _to_ledger(self, role: str, msg) -> bool | None:
+        """Hand a child's ``SlotReady``/``BadBatch``/``SlotReleased``/``Trained`` to the coordinator (a local
+        child's, or on node 0 another node's, indices global); returns whether it counts as the child's progress,
+        None when it is not one of those messages from that role."""
+        co = self.coordinator
+        if isinstance(msg, m.SlotReady) and role == "producer":
+            return co.on_slot_ready(msg)
+        if isinstance(msg, m.BadBatch):
+            co.on_bad_batch(msg, from_consumer=(role == "consumer"))
+            return True
+        if isinstance(msg, m.SlotReleased) and role == "consumer":
+            co.on_slot_released(msg)
+            return True
+        if isinstance(msg, m.Trained) and role == "consumer":
+            self._on_trained(msg)
+            return True
+        return None
 
     def _on_trained(self, msg: m.Trained) -> None:
         co = self.coordinator

@@ -126,15 +126,7 @@ class NodeEvents:
         if isinstance(msg, m.Hello) and msg.role == role and msg.index == index:
             co.on_hello(role, index, msg.generation)
             log.info("hello %s=%d node=%d pid=%d generation=%d", role, index, node, msg.pid, msg.generation)
-        elif isinstance(msg, m.SlotReady) and role == "producer":
-            co.on_slot_ready(msg)
-        elif isinstance(msg, m.BadBatch):
-            co.on_bad_batch(msg, from_consumer=(role == "consumer"))
-        elif isinstance(msg, m.SlotReleased) and role == "consumer":
-            co.on_slot_released(msg)
-        elif isinstance(msg, m.Trained) and role == "consumer":
-            self._on_trained(msg)
-        else:
+        elif self._to_ledger(role, msg) is None:  # the same hand-over as a local child's (MessageDispatch)
             self.rejected_frames += 1
             log.warning("reject kind=%s node=%d %s=%d reason=unexpected_for_role", msg.KIND, node, role, index)
 
