@@ -157,10 +157,9 @@ def body(ctx: ChildContext) -> None:
     finally:
         for r in rings:
             r.close()
-        if int(os.environ.get("WORLD_SIZE", len(cfg.trainer.devices))) > 1:
-            import torch.distributed as dist
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():  # joined a group (more than one consumer)
+            dist.destroy_process_group()
 
 
 def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=None, world: int = 1) -> None:
