@@ -105,7 +105,7 @@ class TransformersBackend:
         import torch
 
         from specring.shared.hub import load_pretrained
-        from specring.shared.models.target import resolve_device, resolve_dtype
+        from specring.shared.devices import resolve_device, resolve_dtype
         dev = resolve_device(device)
         self.device = dev
         self.model = load_pretrained("causal_lm", target, dtype=resolve_dtype(dtype, dev),
@@ -468,7 +468,7 @@ def _devices(text: str) -> list[str]:
     out = [d.strip() for d in text.split(",") if d.strip()]
     if not out:
         raise ConfigError("--devices: give a device list such as cpu or cuda:0,cuda:1")
-    from specring.shared.models.target import resolve_device
+    from specring.shared.devices import resolve_device
     for d in out:
         resolve_device(d)
     return out
