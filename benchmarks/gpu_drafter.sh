@@ -3,7 +3,7 @@
 # Qwen3-8B shape, every attention form in the same run), the target-regenerated corpus, the baselines' tau in the
 # standard eval setting, and short training runs per label source (run side by side on the one GPU).
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_drafter.sh [steps...]
-#   steps: bench regen baselines sweep final (default: bench regen baselines sweep)
+#   steps: bench regen baselines sweep sweep2 final final_eval eagle3 (default: bench regen baselines sweep)
 set -u
 OUT=${OUT:-/tmp/specring-gpu}
 mkdir -p "$OUT"
@@ -22,7 +22,7 @@ step() {  # step NAME TIMEOUT_S CMD...
 }
 STEPS="${*:-bench regen baselines sweep}"
 has() { [[ " $STEPS " == *" $1 "* ]]; }
-python3 launch.py prepare --demo --no-progress > "$OUT/prepare.txt" 2>&1; echo "prepare rc=$? t=$(( $(date +%s) - T0 ))s" | tee -a "$LOG"
+[ -f data/demo/heldout.arrow ] || python3 launch.py prepare --demo --no-progress > "$OUT/prepare.txt" 2>&1; echo "prepare rc=$? t=$(( $(date +%s) - T0 ))s" | tee -a "$LOG"
 
 if has bench; then
   step bench_tiny 110 python3 benchmarks/trainer.py --device cuda:0 --shape tiny --seqs 8 --seq-len 1024 --num-anchors 512 \
@@ -47,6 +47,13 @@ if has baselines; then
 fi
 [ -n "${REGEN_PID:-}" ] && wait $REGEN_PID
 
+summarize() {  # summarize RUN...: loss/accuracy/tau curves of finished runs into the log
+  for r in "$@"; do
+    [ -d runs/$r ] || continue
+    echo "--- $r" >> "$LOG"; tail -n 4 "$OUT/run_$r.txt" >> "$LOG"
+    python3 benchmarks/run_curves.py runs/$r >> "$LOG" 2>&1
+  done
+}
 EVAL=(--eval-prompts 6 --eval-prompt-len 256 --eval-max-new-tokens 256)
 run() {  # run NAME STEPS EXTRA...: one launch.py train on cuda:0 (producer and consumer), in the background
   local name=$1 steps=$2; shift 2
@@ -63,13 +70,6 @@ if has sweep; then
   wait $(jobs -p | grep -v $KILLER) 2>/dev/null; kill $KILLER 2>/dev/null
   summarize data target regen regen_lr
 fi
-summarize() {  # summarize RUN...: loss/accuracy/tau curves of finished runs into the log
-  for r in "$@"; do
-    [ -d runs/$r ] || continue
-    echo "--- $r" >> "$LOG"; tail -n 4 "$OUT/run_$r.txt" >> "$LOG"
-    python3 benchmarks/run_curves.py runs/$r >> "$LOG" 2>&1
-  done
-}
 EVAL2=(--heldout data/demo/heldout.arrow --eval-prompts 4 --eval-prompt-len 256 --eval-max-new-tokens 256)
 if has sweep2; then
   echo "=== sweep2 (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
@@ -88,7 +88,7 @@ if has sweep2; then
   [ -n "$BEST" ] && step final_eval 170 python3 launch.py eval --drafter $BEST --baselines prompt-lookup \
     --output-json "$OUT/final_eval.json"
 fi
-if has final; then
+if has final; then  # the recipe's training run alone on the GPU (its own evaluations in eval.jsonl)
   echo "=== final (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
   python3 launch.py train --producers cuda:0,cuda:0 --consumers cuda:0 --run-dir runs/final --data $REGEN \
     --label-source target --target-layers 1,3,5,6,7 --lr 2e-3 --max-steps ${FINAL_STEPS:-3200} \
@@ -96,8 +96,24 @@ if has final; then
   FINAL_PID=$!
   ( sleep ${FINAL_S:-300}; pkill -INT -f "launch.py train" ) & KILLER=$!
   wait $FINAL_PID; kill $KILLER 2>/dev/null
+  echo "=== final done (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
   summarize final
-  step final_eval 200 python3 launch.py eval --drafter runs/final --baselines prompt-lookup --output-json "$OUT/final_eval.json"
+fi
+if has final_eval; then  # the standard setting (24 held-out prompts, 256 + 256 tokens) beside prompt lookup
+  step final_eval ${FINAL_EVAL_S:-200} python3 launch.py eval --drafter runs/final --baselines prompt-lookup \
+    --output-json "$OUT/final_eval.json"
+fi
+if has eagle3; then  # a fixture EAGLE-3 drafter on the regenerated data, then tau beside prompt lookup
+  echo "=== eagle3 (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
+  python3 launch.py train --producers cuda:0,cuda:0 --consumers cuda:0 --run-dir runs/eagle3 --drafter eagle3 \
+    --data $REGEN --label-source target --lr ${EAGLE3_LR:-2e-3} --max-steps ${EAGLE3_STEPS:-2000} \
+    --checkpoint-every ${EAGLE3_CKPT:-500} "${EVAL2[@]}" > "$OUT/run_eagle3.txt" 2>&1 &
+  E3_PID=$!
+  ( sleep ${EAGLE3_S:-240}; pkill -INT -f "launch.py train" ) & KILLER=$!
+  wait $E3_PID; kill $KILLER 2>/dev/null
+  summarize eagle3
+  step eagle3_eval ${EAGLE3_EVAL_S:-150} python3 launch.py eval --drafter runs/eagle3 --baselines prompt-lookup \
+    --output-json "$OUT/eagle3_eval.json"
 fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$LOG" 2>&1
 tar czf "$OUT/runs.tgz" runs/*/eval.jsonl runs/*/metrics.jsonl runs/*/summary.json runs/*/logs "$OUT"/*.txt 2>/dev/null
