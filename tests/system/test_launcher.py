@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -157,7 +158,9 @@ def test_chaos_producers_killed_and_hung(dataset, tmp_path):
     assert killed >= 5
     s = _assert_exactly_once(run_dir, expect_planned=240)
     assert sum(s["restarts"].values()) >= killed + 1, s["restarts"]
-    assert "reason=no heartbeat or progress" in log
+    # the monitor killed the stopped producer as hung: the reason depends on what its last heartbeat said (no
+    # heartbeat since, or a main loop that has not turned), so the line is matched by its pid, not its reason
+    assert re.search(rf"hang producer=0 pid={stopped} generation=\d+ reason=\S.* action=kill", log), log[-4000:]
     assert segments_of(s["run_id"]) == []
 
 
