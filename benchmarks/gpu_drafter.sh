@@ -3,7 +3,9 @@
 # Qwen3-8B shape, every attention form in the same run), the target-regenerated corpus, the baselines' tau in the
 # standard eval setting, and short training runs per label source (run side by side on the one GPU).
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_drafter.sh [steps...]
-#   steps: bench regen baselines sweep sweep2 final final_eval eagle3 (default: bench regen baselines sweep)
+#   A schedule longer than one 10-minute device call: FINAL_STEPS=9600 FINAL_S=420 ... regen final, then on the still
+#   warm machine FINAL_S=540 ... final_resume (repeat while steps remain), then ... final_eval.
+#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 (default: bench regen baselines sweep)
 set -u
 OUT=${OUT:-/tmp/specring-gpu}
 mkdir -p "$OUT"
@@ -98,6 +100,15 @@ if has final; then  # the recipe's training run alone on the GPU (its own evalua
   wait $FINAL_PID; kill $KILLER 2>/dev/null
   echo "=== final done (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
   summarize final
+fi
+if has final_resume; then  # a schedule longer than one device call: the next call on the same (warm) machine
+  echo "=== final_resume (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
+  python3 launch.py train --run-dir runs/final --resume > "$OUT/run_final_resume.txt" 2>&1 &
+  FINAL_PID=$!
+  ( sleep ${FINAL_S:-300}; pkill -INT -f "launch.py train" ) & KILLER=$!
+  wait $FINAL_PID; kill $KILLER 2>/dev/null
+  echo "=== final_resume done (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
+  tail -n 4 "$OUT/run_final_resume.txt" >> "$LOG"; python3 benchmarks/run_curves.py runs/final >> "$LOG" 2>&1
 fi
 if has final_eval; then  # the standard setting (24 held-out prompts, 256 + 256 tokens) beside prompt lookup
   step final_eval ${FINAL_EVAL_S:-200} python3 launch.py eval --drafter runs/final --baselines prompt-lookup \
