@@ -111,7 +111,7 @@ if has final_resume; then  # a schedule longer than one device call: the next ca
   tail -n 4 "$OUT/run_final_resume.txt" >> "$LOG"; python3 benchmarks/run_curves.py runs/final >> "$LOG" 2>&1
 fi
 if has final_eval; then  # the standard setting (24 held-out prompts, 256 + 256 tokens) beside prompt lookup
-  step final_eval ${FINAL_EVAL_S:-200} python3 launch.py eval --drafter runs/final --baselines prompt-lookup \
+  step final_eval ${FINAL_EVAL_S:-300} python3 launch.py eval --drafter runs/final --baselines prompt-lookup \
     --output-json "$OUT/final_eval.json"
 fi
 if has eagle3; then  # a fixture EAGLE-3 drafter on the regenerated data, then tau beside prompt lookup
@@ -123,7 +123,7 @@ if has eagle3; then  # a fixture EAGLE-3 drafter on the regenerated data, then t
   ( sleep ${EAGLE3_S:-240}; pkill -INT -f "launch.py train" ) & KILLER=$!
   wait $E3_PID; kill $KILLER 2>/dev/null
   summarize eagle3
-  step eagle3_eval ${EAGLE3_EVAL_S:-150} python3 launch.py eval --drafter runs/eagle3 --baselines prompt-lookup \
+  step eagle3_eval ${EAGLE3_EVAL_S:-300} python3 launch.py eval --drafter runs/eagle3 --baselines prompt-lookup \
     --output-json "$OUT/eagle3_eval.json"
 fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$LOG" 2>&1
