@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specring.shared.config import Alias, FieldSpec, RunConfig, field_specs, finite_number, section_classes
+from specring.shared.device_groups import is_cpu_group
 from specring.shared.errors import ConfigError
 
 GROUPS = {  # --help groups, in order: title -> description
@@ -432,7 +433,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         raise ConfigError(f"--config: producer.devices and trainer.devices must be lists of device names, "
                           f"got {devices[0]!r} and {devices[1]!r}")
     cpu = {}
-    if all(x.strip() == "cpu" for d in devices[0] + devices[1] for x in d.split("+")):  # cpu+cpu: a CPU group (shared.devices.GROUP_SEP; torch-free here)
+    if all(is_cpu_group(d) for d in devices[0] + devices[1]):
         for spec in specs.values():
             if spec.has_cpu_default and spec.key not in given:
                 cpu[spec.key] = spec.meta["cpu_default"]

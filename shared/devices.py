@@ -3,7 +3,7 @@
 * ``resolve_device("cuda:1")``: the one parser of a device string (``cpu``, ``cuda``, ``cuda:N``), checked
   against this machine.
 * ``resolve_device_group("cuda:0+cuda:1")``: a producer's device group, devices joined by ``+`` (one target
-  split over several devices); ``group_members`` splits it without looking at the machine.
+  split over several devices); ``shared.device_groups.group_members`` splits it without looking at the machine.
 * ``DTYPES``: the one map from a dtype name (``"bfloat16"``) to a torch dtype; every dtype a slot payload may
   carry (``shared.transport.layout``). ``MODEL_DTYPES``: those a target or an exported drafter may be held
   in. ``resolve_dtype`` adds ``"auto"``: bfloat16 on CUDA, float32 on CPU.
@@ -17,6 +17,7 @@ import re
 
 import torch
 
+from specring.shared.device_groups import group_members
 from specring.shared.errors import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -65,20 +66,6 @@ def resolve_device(spec: str | torch.device) -> torch.device:
         raise ConfigError(f"device {text!r} does not exist: this machine has {count} CUDA device(s) "
                           f"(cuda:0..cuda:{count - 1})")
     return torch.device("cuda", idx)
-
-
-GROUP_SEP = "+"   # joins the devices of one producer's group: cuda:0+cuda:1
-
-
-def group_members(spec: str) -> list[str]:
-    """The device strings of a device group ``"cuda:0+cuda:1"`` (``["cuda:0", "cuda:1"]``); a single device is a
-    group of one. Pure string work (nothing is checked against the machine); raises ``ConfigError`` naming the
-    group when a member is empty (``"cuda:0+"``)."""
-    parts = [p.strip() for p in str(spec).split(GROUP_SEP)]
-    if any(not p for p in parts):
-        raise ConfigError(f"device group {str(spec)!r} has an empty member: join devices with {GROUP_SEP!r}, "
-                          f"e.g. cuda:0{GROUP_SEP}cuda:1")
-    return parts
 
 
 def resolve_device_group(spec: str | torch.device) -> list[torch.device]:

@@ -17,7 +17,8 @@ import torch
 
 from specring.producers.producer import Producer
 from specring.shared.config import DEFAULT_TARGET, ProducerConfig
-from specring.shared.devices import group_members, resolve_device_group
+from specring.shared.device_groups import group_members, is_cpu_group
+from specring.shared.devices import resolve_device_group
 from specring.shared.errors import ConfigError
 from specring.shared.models.target import (
     check_checkpoint,
@@ -41,6 +42,8 @@ def test_device_groups_are_parsed_and_bad_ones_named():
     assert resolve_device_group("cpu") == [torch.device("cpu")]
     assert resolve_device_group("cpu+cpu") == [torch.device("cpu")] * 2
     assert group_members(" cuda:0 + cuda:1 ") == ["cuda:0", "cuda:1"]
+    assert is_cpu_group("cpu") and is_cpu_group(" cpu + cpu ")
+    assert not is_cpu_group("cpu+cuda:0") and not is_cpu_group("cpu+") and not is_cpu_group("cuda:0")
     with pytest.raises(ConfigError, match=r"'cpu\+' has an empty member"):
         resolve_device_group("cpu+")
     with pytest.raises(ConfigError, match="'tpu:0' is not understood"):
