@@ -29,6 +29,7 @@ import time
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from specring.shared.errors import BadBatch as BadBatchError
 from specring.shared.errors import MessageError, SlotError
@@ -96,7 +97,6 @@ def _init_distributed(ctx: ChildContext, device: torch.device):
     world = int(os.environ.get("WORLD_SIZE", len(ctx.config.trainer.devices)))
     if world == 1:
         return 0, 1, None
-    import torch.distributed as dist
     backend = "nccl" if device.type == "cuda" else "gloo"
     # a rank waits in a collective while another trains a slow batch: that is allowed batch_timeout_s
     timeout = timedelta(seconds=max(60.0, ctx.config.monitor.batch_timeout_s))
@@ -157,7 +157,6 @@ def body(ctx: ChildContext) -> None:
     finally:
         for r in rings:
             r.close()
-        import torch.distributed as dist
         if dist.is_available() and dist.is_initialized():  # joined a group (more than one consumer)
             dist.destroy_process_group()
 
