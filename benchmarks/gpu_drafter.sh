@@ -56,6 +56,14 @@ summarize() {  # summarize RUN...: loss/accuracy/tau curves of finished runs int
     python3 benchmarks/run_curves.py runs/$r >> "$LOG" 2>&1
   done
 }
+train_for() {  # train_for NAME SECONDS FLAGS...: one launch.py train into $OUT/run_NAME.txt, SIGINT after SECONDS
+  local name=$1 t=$2; shift 2
+  python3 launch.py train "$@" > "$OUT/run_$name.txt" 2>&1 &
+  local pid=$!
+  ( sleep "$t"; pkill -INT -f "launch.py train" ) & local killer=$!
+  wait $pid; kill $killer 2>/dev/null
+  echo "=== $name done (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
+}
 EVAL=(--eval-prompts 6 --eval-prompt-len 256 --eval-max-new-tokens 256)
 run() {  # run NAME STEPS EXTRA...: one launch.py train on cuda:0 (producer and consumer), in the background
   local name=$1 steps=$2; shift 2
@@ -92,22 +100,14 @@ if has sweep2; then
 fi
 if has final; then  # the recipe's training run alone on the GPU (its own evaluations in eval.jsonl)
   echo "=== final (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
-  python3 launch.py train --producers cuda:0,cuda:0 --consumers cuda:0 --run-dir runs/final --data $REGEN \
+  train_for final ${FINAL_S:-300} --producers cuda:0,cuda:0 --consumers cuda:0 --run-dir runs/final --data $REGEN \
     --label-source target --target-layers 1,3,5,6,7 --lr 2e-3 --max-steps ${FINAL_STEPS:-3200} \
-    --checkpoint-every ${FINAL_CKPT:-800} "${EVAL2[@]}" "${ATTN_CFG[@]}" > "$OUT/run_final.txt" 2>&1 &
-  FINAL_PID=$!
-  ( sleep ${FINAL_S:-300}; pkill -INT -f "launch.py train" ) & KILLER=$!
-  wait $FINAL_PID; kill $KILLER 2>/dev/null
-  echo "=== final done (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
+    --checkpoint-every ${FINAL_CKPT:-800} "${EVAL2[@]}" "${ATTN_CFG[@]}"
   summarize final
 fi
 if has final_resume; then  # a schedule longer than one device call: the next call on the same (warm) machine
   echo "=== final_resume (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
-  python3 launch.py train --run-dir runs/final --resume > "$OUT/run_final_resume.txt" 2>&1 &
-  FINAL_PID=$!
-  ( sleep ${FINAL_S:-300}; pkill -INT -f "launch.py train" ) & KILLER=$!
-  wait $FINAL_PID; kill $KILLER 2>/dev/null
-  echo "=== final_resume done (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
+  train_for final_resume ${FINAL_S:-300} --run-dir runs/final --resume
   tail -n 4 "$OUT/run_final_resume.txt" >> "$LOG"; python3 benchmarks/run_curves.py runs/final >> "$LOG" 2>&1
 fi
 if has final_eval; then  # the standard setting (24 held-out prompts, 256 + 256 tokens) beside prompt lookup
@@ -116,12 +116,9 @@ if has final_eval; then  # the standard setting (24 held-out prompts, 256 + 256 
 fi
 if has eagle3; then  # a fixture EAGLE-3 drafter on the regenerated data, then tau beside prompt lookup
   echo "=== eagle3 (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
-  python3 launch.py train --producers cuda:0,cuda:0 --consumers cuda:0 --run-dir runs/eagle3 --drafter eagle3 \
-    --data $REGEN --label-source target --lr ${EAGLE3_LR:-2e-3} --max-steps ${EAGLE3_STEPS:-2000} \
-    --checkpoint-every ${EAGLE3_CKPT:-500} "${EVAL2[@]}" > "$OUT/run_eagle3.txt" 2>&1 &
-  E3_PID=$!
-  ( sleep ${EAGLE3_S:-240}; pkill -INT -f "launch.py train" ) & KILLER=$!
-  wait $E3_PID; kill $KILLER 2>/dev/null
+  train_for eagle3 ${EAGLE3_S:-240} --producers cuda:0,cuda:0 --consumers cuda:0 --run-dir runs/eagle3 \
+    --drafter eagle3 --data $REGEN --label-source target --lr ${EAGLE3_LR:-2e-3} --max-steps ${EAGLE3_STEPS:-2000} \
+    --checkpoint-every ${EAGLE3_CKPT:-500} "${EVAL2[@]}"
   summarize eagle3
   step eagle3_eval ${EAGLE3_EVAL_S:-300} python3 launch.py eval --drafter runs/eagle3 --baselines prompt-lookup \
     --output-json "$OUT/eagle3_eval.json"
