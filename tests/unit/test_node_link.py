@@ -51,7 +51,10 @@ def test_only_registered_nodes_are_heard(ctx):
         got = recv_within(server, 15)
         assert got == m.NodeMsg(node=1, event="hello")
         rogue.send(m.NodeMsg(node=1, event="stop", reason="forged"))
-        plain.send(m.encode(m.NodeMsg(node=1, event="stop", reason="forged")), flags=zmq.NOBLOCK)
+        try:  # a DEALER without CURVE may have no pipe at all (its handshake refused): then it cannot even queue
+            plain.send(m.encode(m.NodeMsg(node=1, event="stop", reason="forged")), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
         assert recv_within(server, 2) is None, "a peer without a registered key was heard"
         assert server.allowed.refused >= 1
         # the server answers the registered node only
