@@ -20,12 +20,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from specring.consumer.trainer import CPU_MAX_MASK_ELEMS, Trainer, dflash_config_from_run  # noqa: E402
+from specring.consumer.trainer import CPU_MAX_MASK_ELEMS, Trainer, drafter_config_from_run  # noqa: E402
 from specring.producers.producer import Producer  # noqa: E402
 from specring.shared.config import DataConfig, ProducerConfig, RunConfig, TrainerConfig  # noqa: E402
 from specring.shared.data.dataset import BatchPlan, TokenDataset, collate  # noqa: E402
 from specring.shared.data.demo import ensure_demo  # noqa: E402
-from specring.shared.models.target import load_target, resolve_layer_ids  # noqa: E402
+from specring.shared.models.layer_ids import resolve_layer_ids  # noqa: E402
+from specring.shared.models.target import load_target  # noqa: E402
 from specring.shared.paths import DEFAULT_TARGET  # noqa: E402
 from specring.shared.transport import layout, ring  # noqa: E402
 
@@ -122,7 +123,7 @@ def make_trainer(cfg: RunConfig, device: str, run_dir: str) -> Trainer:
     attention groups, ``CPU_MAX_MASK_ELEMS``; without them a CPU stage measured 48 tokens/s where the consumer
     process trained 114)."""
     cpu = {} if torch.device(device).type == "cuda" else {"max_mask_elems": CPU_MAX_MASK_ELEMS}
-    return Trainer(cfg.trainer, dflash_config_from_run(cfg), cfg.producer.target, device, run_dir, write_metrics=False,
+    return Trainer(cfg.trainer, drafter_config_from_run(cfg), cfg.producer.target, device, run_dir, write_metrics=False,
                    **cpu)
 
 

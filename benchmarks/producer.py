@@ -43,7 +43,8 @@ import torch  # noqa: E402
 from specring.producers.producer import Producer  # noqa: E402
 from specring.shared.config import DEFAULT_TARGET  # noqa: E402
 from specring.shared.devices import resolve_device_group, resolve_dtype  # noqa: E402
-from specring.shared.models.target import base_model, default_target_layer_ids  # noqa: E402
+from specring.shared.models.layer_ids import default_target_layer_ids  # noqa: E402
+from specring.shared.models.target import base_model  # noqa: E402
 from specring.shared.transport import messages, ring  # noqa: E402
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,

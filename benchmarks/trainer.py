@@ -49,8 +49,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.random_target import QWEN3_8B, write_random_target  # noqa: E402
-from specring.consumer.blocks import sample_anchors  # noqa: E402
-from specring.consumer.trainer import Trainer, anchor_seed  # noqa: E402
+from specring.shared.drafters.dflash_blocks import sample_anchors  # noqa: E402
+from specring.consumer.trainer import Trainer  # noqa: E402
+from specring.shared.drafters.dflash import anchor_seed  # noqa: E402
 from specring.shared.config import DEFAULT_TARGET, TrainerConfig  # noqa: E402
 from specring.shared.models.dflash import DFlashConfig  # noqa: E402
 
@@ -109,7 +110,8 @@ def check_forms(trainers: dict[str, Trainer], batch: dict) -> None:
     for name, tr in trainers.items():
         stats = tr._forward_backward(batch, [123])
         grads[name] = torch.cat([p.grad.float().flatten() for p in tr.params if p.grad is not None])
-        loss = float(stats[0] / stats[1])
+        sums = stats.host()
+        loss = sums["loss_sum"] / sums["weight_sum"]
         tr.optimizer.zero_grad(set_to_none=True)
         print(f"check form={name} loss={loss:.5f}")
     for name, g in grads.items():
@@ -157,7 +159,7 @@ def main(argv=None) -> int:
         target, layers = DEFAULT_TARGET, 8
     else:
         target, layers = write_random_target(Path(tmp.name) / "qwen3-8b"), QWEN3_8B["num_hidden_layers"]
-    from specring.shared.models.target import default_target_layer_ids
+    from specring.shared.models.layer_ids import default_target_layer_ids
     ids = default_target_layer_ids(layers, args.num_layers)
     dcfg = DFlashConfig.from_target(target, ids, args.block_size, mask_token_id=None)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -34,8 +34,8 @@ GROUPS = {  # --help groups, in order: title -> description
     "topology": "where the processes run: producers (each runs the target) and consumers (each trains the "
                 "drafter, one data-parallel rank), and how they talk",
     "target & capture": "the target model and the layers whose hidden states the producers capture",
-    "drafter & training": "the DFlash drafter, its loss and optimisation, and tau (acceptance length) measured "
-                          "during training",
+    "drafter & training": "the drafter (DFlash, DFlash2 or EAGLE-3), its loss and optimisation, and tau "
+                          "(acceptance length) measured during training",
     "data": "the tokenized data and the batch plan",
     "rings": "one shared-memory ring per producer; each slot holds the hidden states of one batch",
     "health monitor": "heartbeats, hang detection and producer restarts (durations in seconds)",
@@ -44,7 +44,7 @@ GROUPS = {  # --help groups, in order: title -> description
 }
 
 DESCRIPTION = """\
-Train a DFlash drafter from a target's hidden states: producers (each runs the target and captures its
+Train a speculative-decoding drafter (DFlash, DFlash2, EAGLE-3) from a target's hidden states: producers (each runs the target and captures its
 hidden states) and consumers (drafter trainers) run as separate processes joined by shared-memory rings.
 
 Every configuration field is a flag --SECTION.FIELD-NAME (sections: data, ring, producer, trainer,
@@ -66,6 +66,7 @@ examples:
   launch.py train --target org/custom-model --trust-remote-code ...   a target with its own modelling code
   launch.py train --report-to tensorboard,wandb     trackers (wandb offline without WANDB_API_KEY)
   launch.py train --drafter eagle3 --draft-vocab 32000 --ttt-steps 7   an EAGLE-3 drafter (three target layers)
+  launch.py train --drafter dflash2 --trainer.loss dpace   a DFlash2 drafter (convolutions, candidate selector)
   launch.py train --config run.toml --lr 3e-4       the file, with one value overridden
   launch.py train --trainer.grad-clip 0.5 --monitor.backoff-max-s 30 --data.bucket-edges 64,256,1024
   launch.py train --resume --max-steps 2000         continue runs/latest for longer

@@ -113,6 +113,7 @@ def _init_distributed(ctx: ChildContext, device: torch.device):
 
 def body(ctx: ChildContext) -> None:
     from specring.consumer.trainer import CPU_MAX_MASK_ELEMS, Trainer, drafter_config_from_run
+    from specring.shared.drafters import get_family
     from specring.shared.checkpoint import latest_checkpoint
 
     cfg = ctx.config
@@ -128,7 +129,7 @@ def body(ctx: ChildContext) -> None:
         rank, world, group = _init_distributed(ctx, device)
         dcfg = drafter_config_from_run(cfg)
         extra = {}
-        if cfg.trainer.drafter == "eagle3":  # the run's draft vocabulary, written once by the supervisor
+        if get_family(cfg.trainer.drafter).needs_draft_vocab:  # the run's draft vocabulary, written once by the supervisor
             from specring.shared.draft_vocab import read_draft_vocab
             extra["draft_vocab"] = read_draft_vocab(ctx.run_dir, dcfg.draft_vocab_size, dcfg.vocab_size)
         elif device.type != "cuda":  # CPU: small groups (per sequence) so no work is spent on other sequences' context

@@ -16,8 +16,6 @@ from typing import Any, Callable
 import torch
 
 from specring.shared import faults
-from specring.shared.models.dflash import DFlashDrafter
-from specring.shared.models.eagle3 import Eagle3Drafter
 from specring.shared.models.speculative import evaluate_tau, load_prompts
 
 logger = logging.getLogger(__name__)
@@ -54,10 +52,10 @@ class CheckpointEvaluator:
                                          trust_remote_code=pc.trust_remote_code)
             self.prompts = load_prompts(self.cfg.data.heldout, tc.eval_prompts, self.prompt_len)
 
-    def __call__(self, drafter: DFlashDrafter | Eagle3Drafter, step: int, loss: float | None,
+    def __call__(self, drafter: torch.nn.Module, step: int, loss: float | None,
                  on_prompt: Callable[[int, int], None] | None = None) -> dict[str, Any]:
         """Evaluate ``drafter`` at optimizer step ``step``; returns the record appended to ``eval.jsonl``.
-        An EAGLE-3 drafter drafts chains of ``ttt_steps`` tokens (``Eagle3Proposer``, via ``evaluate_tau``).
+        The drafter decodes through its family's proposer (``evaluate_tau``; EAGLE-3: chains of ``ttt_steps``).
         ``on_prompt(done, total)`` is called after each prompt."""
         tc, pc = self.cfg.trainer, self.cfg.producer
         self.load()

@@ -6,7 +6,8 @@ Layout (``checkpoints_dir`` is normally ``run_dir/checkpoints``)::
       step-000100/
         drafter.safetensors   trainable weights under their export names + embed_tokens.weight, lm_head.weight
         trainer_state.pt      optimizer, scheduler, RNG states, step, trained batch ids (torch.save)
-        dflash_config.json    DFlashConfig.to_dict() (an EAGLE-3 drafter: eagle3_config.json, Eagle3Config.to_dict())
+        dflash_config.json    the drafter config, named by its family (DrafterFamily.config_file: dflash_config.json,
+                              dflash2_config.json, eagle3_config.json), which is how a checkpoint's kind is known
       latest                  text: the name of the newest complete step directory ("step-000100")
 
 What is guaranteed:
@@ -42,20 +43,18 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specring.shared import faults
-from specring.shared.models.dflash import (
-    EMBED_KEY,
-    HEAD_KEY,
-    DFlashConfig,
-    DFlashDrafter,
-)
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "drafter.safetensors"
 STATE_FILE = "trainer_state.pt"
-CONFIG_FILE = "dflash_config.json"
-EAGLE3_CONFIG_FILE = "eagle3_config.json"
-CONFIG_FILES = {"dflash": CONFIG_FILE, "eagle3": EAGLE3_CONFIG_FILE}
+CONFIG_FILE = "dflash_config.json"   # the DFlash family's (DrafterFamily.config_file); the name older tools look for
+
+
+def config_files() -> dict[str, str]:
+    """``family name -> its checkpoint config file`` for every registered drafter family (``shared.drafters``)."""
+    from specring.shared.drafters import NAMES, get_family
+    return {name: get_family(name).config_file for name in NAMES}
 LATEST_FILE = "latest"
 
 
@@ -118,9 +117,9 @@ def save_checkpoint(checkpoints_dir: str | Path, step: int, tensors: dict[str, t
 
     ``tensors``: name -> tensor (copied to CPU; tied tensors are stored as separate copies).
     ``keep_last``: when set, older step directories beyond the newest ``keep_last`` are removed.
-    ``drafter``: ``dflash`` or ``eagle3``, which names the config file (``CONFIG_FILES``).
+    ``drafter``: the drafter family's name, which names the config file (``config_files()``).
     """
-    config_file = CONFIG_FILES[drafter]
+    config_file = config_files()[drafter]
     root = Path(checkpoints_dir)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".step-*.tmp-*"):
@@ -196,18 +195,19 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu"
         for k in f.keys():
             tensors[k] = f.get_tensor(k)
     state = load_trainer_state(step_dir, map_location)
-    config = json.loads((step_dir / CONFIG_FILES[drafter_kind(step_dir)]).read_text())
+    config = json.loads((step_dir / config_files()[drafter_kind(step_dir)]).read_text())
     return tensors, state, config
 
 
 def drafter_kind(path: str | Path) -> str:
-    """``dflash`` or ``eagle3``: which drafter the checkpoint at ``path`` holds (by its config file). Raises
-    ``FileNotFoundError`` when it has none."""
+    """The name of the drafter family (``shared.drafters``) whose checkpoint is at ``path`` (by its config file).
+    Raises ``FileNotFoundError`` when it has none."""
     step_dir = resolve_checkpoint(path)
-    for kind, name in CONFIG_FILES.items():
+    files = config_files()
+    for kind, name in files.items():
         if (step_dir / name).is_file():
             return kind
-    raise FileNotFoundError(f"checkpoint {step_dir} has no {' or '.join(CONFIG_FILES.values())}")
+    raise FileNotFoundError(f"checkpoint {step_dir} has no {' or '.join(files.values())}")
 
 
 def load_trainer_state(path: str | Path, map_location: str | torch.device = "cpu",
@@ -222,38 +222,36 @@ def load_trainer_state(path: str | Path, map_location: str | torch.device = "cpu
 
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 require_head: bool = True) -> DFlashDrafter:
-    """Rebuild a drafter (eval mode) from a checkpoint, frozen head included.
+                 require_head: bool = True) -> torch.nn.Module:
+    """Rebuild a drafter (eval mode) from a checkpoint, frozen tensors included, through its family
+    (``DrafterFamily.load_checkpoint_model``).
 
-    An export directory (``is_export``) is not a checkpoint: ``specring.cli.export.load_exported_as_served``
-    loads it (``launch.py eval`` does so for it).
+    An export directory (``is_export``) is not a checkpoint: its family's ``load_export`` loads it
+    (``launch.py eval`` does so for it).
 
-    Raises ``ValueError`` when the checkpoint lacks ``embed_tokens.weight``/``lm_head.weight`` and
-    ``require_head`` is true (export and evaluation must never run with a head that is not the target's),
-    or when trainable weights are missing or unexpected.
+    Raises ``ValueError`` when the checkpoint lacks the target's frozen tensors and ``require_head`` is true
+    (export and evaluation must never run with a head that is not the target's), or when trainable weights
+    are missing or unexpected.
     """
-    if is_export(resolve_checkpoint(path)):
-        raise ValueError(f"{resolve_checkpoint(path)} is an export, not a checkpoint: load it with "
-                         "specring.cli.export.load_exported_as_served")
-    tensors, _, config = load_checkpoint(path)
-    if drafter_kind(path) == "eagle3":
-        from specring.shared.models.eagle3 import Eagle3Config, Eagle3Drafter
-        model = Eagle3Drafter(Eagle3Config.from_dict(config)).to(dtype=dtype)
-        if "embed_tokens.weight" not in tensors and require_head:
-            raise ValueError(f"checkpoint {resolve_checkpoint(path)} lacks embed_tokens.weight: cannot use a drafter "
-                             "without the target's embedding")
-        model.load_trainable(tensors, f"checkpoint {resolve_checkpoint(path)}")
-        if "embed_tokens.weight" in tensors:
-            model.load_frozen(tensors["embed_tokens.weight"])
-        return model.to(device).eval()
-    dcfg = DFlashConfig.from_dict(config)
-    missing_head = [k for k in (EMBED_KEY, HEAD_KEY) if k not in tensors]
-    if missing_head and require_head:
-        raise ValueError(f"checkpoint {resolve_checkpoint(path)} lacks {missing_head}: cannot use a drafter "
-                         "without the target's embedding and LM head")
-    model = DFlashDrafter(dcfg).to(dtype=dtype)
-    model.load_trainable(tensors, f"checkpoint {resolve_checkpoint(path)}")
-    if not missing_head:
-        tied = dcfg.tie_word_embeddings and torch.equal(tensors[EMBED_KEY], tensors[HEAD_KEY])
-        model.load_frozen(tensors[EMBED_KEY], None if tied else tensors[HEAD_KEY])
+    from specring.shared.drafters import get_family
+
+    step_dir = resolve_checkpoint(path)
+    if is_export(step_dir):
+        raise ValueError(f"{step_dir} is an export, not a checkpoint: load it with its family's load_export "
+                         "(shared.drafters)")
+    tensors, _, config = load_checkpoint(step_dir)
+    family = get_family(drafter_kind(step_dir))
+    model = family.load_checkpoint_model(tensors, config, f"checkpoint {step_dir}", dtype, require_head)
     return model.to(device).eval()
+
+
+def target_of_checkpoint(step_dir: str | Path) -> Path | None:
+    """The target a checkpoint was trained against, from ``run_dir/config.json`` (``producer.target``) of
+    the run that holds ``run_dir/checkpoints/step-*/``; None when it is not recorded."""
+    run_dir = Path(step_dir).resolve().parent.parent
+    cfg_path = run_dir / "config.json"
+    try:
+        target = json.loads(cfg_path.read_text())["producer"]["target"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return Path(target) if target else None

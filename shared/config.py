@@ -30,12 +30,14 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
+from specring.shared.drafters import NAMES as DRAFTER_NAMES
 from specring.shared.errors import ConfigError
 from specring.shared.paths import DEFAULT_TARGET
 
 LABEL_SOURCES = ("target", "data")
 REPORT_BACKENDS = ("tensorboard", "wandb", "mlflow")   # --report-to (supervisor/reporting.py writes them)
-DRAFTERS = ("dflash", "eagle3")
+DRAFTERS = DRAFTER_NAMES            # the --drafter choices: every registered family (shared/drafters/__init__.py)
+LOSSES = ("ce", "dpace")
 DEFAULT_EAGLE3_TOPK = 32             # top-K of the target's distribution an EAGLE-3 run learns by default
 
 
@@ -339,17 +341,18 @@ class ProducerConfig:
 
 @dataclass(kw_only=True)
 class TrainerConfig:
-    """The drafter (DFlash or EAGLE-3) and its optimisation (see ``shared/models/dflash.py``,
-    ``shared/models/eagle3.py`` and ``consumer/trainer.py``)."""
+    """The drafter (a family of ``shared/drafters/``: DFlash, DFlash2, EAGLE-3) and its optimisation (see
+    ``shared/drafters/contract.py`` and ``consumer/trainer.py``)."""
     GROUP: ClassVar[str] = "drafter & training"
     devices: list[str] = setting(["cpu"], aliases=("--consumers",), group="topology",
                                  machine_default=lambda: default_devices()[1],
                                  default_text="cpu; with GPUs cuda:0 (1 GPU), cuda:1 (2), cuda:2 (3+)",
                                  help="one consumer (a drafter trainer, one data-parallel rank) per device")
     drafter: str = setting("dflash", aliases=("--drafter",), choices=DRAFTERS,
-                           help="drafter family: dflash (block drafter, shared/models/dflash.py) or eagle3 (one "
-                                "layer over three fused target layers, trained by training-time test, "
-                                "shared/models/eagle3.py)")
+                           help="drafter family: dflash (block drafter, shared/models/dflash.py), dflash2 (DFlash "
+                                "with grouped dynamic causal convolutions and a candidate selector, "
+                                "shared/models/dflash2.py) or eagle3 (one layer over three fused target layers, "
+                                "trained by training-time test, shared/models/eagle3.py)")
     draft_vocab: int = num(32000, ge=1, le=2**24, aliases=("--draft-vocab",),
                            help="eagle3: draft vocabulary size, the most frequent loss-carrying target tokens of "
                                 "the training data (capped at the target's vocabulary); built once per run into "
@@ -359,6 +362,22 @@ class TrainerConfig:
                               "weight 0.8**k at step k)")
     block_size: int = num(16, ge=2, le=1024, aliases=("--block-size",),
                           help="DFlash block size B: tokens the drafter proposes at once, the anchor's included")
+    loss: str = setting("ce", choices=LOSSES,
+                        help="DFlash families' block loss: ce (cross-entropy, decay exp(-(k-1)/gamma) over the "
+                             "block) or dpace (D-PACE: each slot weighted by the expected accepted length it "
+                             "starts, from the drafter's own probabilities, detached)")
+    dpace_alpha: float = num(0.5, ge=0, le=1, help="D-PACE: q' = (1 - alpha) * exp(-CE) + alpha")
+    sliding_window: int | None = num(None, ge=1, le=2**31 - 1,
+                                     help="DFlash families: draft attention sees only context within this many "
+                                          "positions (sliding_attention layers, as z-lab's current drafters "
+                                          "declare; their configs use 2048); none: the whole context")
+    conv_kernel_size: int = num(2, ge=1, le=64, help="dflash2: taps of the grouped dynamic causal convolution")
+    conv_group_size: int = num(16, ge=1, le=2**16,
+                               help="dflash2: channels per group sharing one dynamic tap (divides the hidden size)")
+    selector_top_k: int = num(16, ge=1, le=4096, help="dflash2: candidates per slot the selector ranks")
+    selector_rank: int = num(256, ge=1, le=2**16, help="dflash2: rank of the selector's codebooks")
+    selector_loss_alpha: float = num(1.0, ge=0, le=1e6,
+                                     help="dflash2: weight of the selector's K-way cross-entropy in the loss")
     num_anchors: int = num(512, ge=1, le=2**20, aliases=("--num-anchors",), cpu_default=32,
                            help="anchors (block starts) sampled per sequence, at most")
     gamma: float | None = num(None, gt=0, le=1e6,
@@ -415,8 +434,10 @@ class TrainerConfig:
     def __post_init__(self):
         check_fields(self)
         _require(len(self.devices) >= 1, "devices", "at least one consumer device is needed")
-        _require(self.drafter != "eagle3" or self.label_source == "target", "label_source",
-                 "drafter eagle3 learns the target's distribution, which the producers compute only with "
+        from specring.shared.drafters import get_family
+        _require(self.drafter not in DRAFTER_NAMES or not get_family(self.drafter).requires_target_labels
+                 or self.label_source == "target", "label_source",
+                 f"drafter {self.drafter} learns the target's distribution, which the producers compute only with "
                  "label_source=target")
         _require(not self.distill_topk or self.label_source == "target", "distill_topk",
                  "needs label_source=target (the producer computes the target's distribution only then)")
@@ -426,7 +447,8 @@ class TrainerConfig:
         run plan fills the field with it, so the saved configuration holds the number)."""
         if self.distill_topk is not None:
             return int(self.distill_topk)
-        return DEFAULT_EAGLE3_TOPK if self.drafter == "eagle3" else 0
+        from specring.shared.drafters import get_family
+        return get_family(self.drafter).default_distill_topk
 
     def resolved_gamma(self) -> float:
         """The loss-decay γ for this block size (DFlash paper defaults: 7 / 5 / 4 for B = 16 / 10 / 8)."""

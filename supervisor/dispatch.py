@@ -20,6 +20,7 @@ import time
 
 import zmq
 
+from specring.shared.drafters import get_family
 from specring.shared.errors import MessageError
 from specring.shared.procs import parse_identity, peer_identity
 from specring.shared.transport import channel
@@ -176,7 +177,7 @@ class MessageDispatch:
         if cmd.action == "status":
             co = self.coordinator
             last = last_metrics(self.run_dir)
-            acc_key = "per_step_acc" if self.cfg.trainer.drafter == "eagle3" else "per_slot_acc"
+            acc_key = get_family(self.cfg.trainer.drafter).acc_key
             data = {"rows": self.status_rows(), "run_id": self.run_id, "step": self.progress.step,
                     "trained": len(co.trained), "planned": len(co.order), "loss": co.loss_last,
                     "drafter": self.cfg.trainer.drafter, acc_key: last.get(acc_key), "acc_step": last.get("step"),

@@ -299,7 +299,9 @@ def prepare_draft_vocab(cfg: RunConfig, plan) -> str:
     lies outside the target's vocabulary."""
     from specring.shared.draft_vocab import draft_vocab_path, read_draft_vocab, write_draft_vocab
 
-    if cfg.trainer.drafter != "eagle3":
+    from specring.shared.drafters import get_family
+
+    if not get_family(cfg.trainer.drafter).needs_draft_vocab:
         return ""
     run_dir = Path(cfg.run_dir)
     if not plan.vocab_size:

@@ -20,6 +20,7 @@ import torch
 
 from specring.shared.config import RunConfig
 from specring.shared.data.dataset import Batch, BatchPlan, TokenDataset
+from specring.shared.drafters import get_family
 from specring.shared.devices import DTYPE_NAMES, resolve_device, resolve_device_group, resolve_dtype
 from specring.shared.errors import ConfigError
 from specring.shared.models.target_config import read_target_config, text_config
@@ -74,12 +75,8 @@ class RunPlan:
             f"target layers captured: {self.target_layer_ids}",
             f"data: {cfg.data.data}  ({self.data_samples} samples, {self.data_tokens} tokens, {self.data_digest[:19]})",
             f"producers: {n}  devices {cfg.producer.devices}  dtype {self.dtype_per_producer}",
-            f"consumers: {len(cfg.trainer.devices)}  devices {cfg.trainer.devices}  " + (
-                f"(drafter eagle3, draft vocab {self.draft_vocab_size}, TTT steps {cfg.trainer.ttt_steps}, "
-                f"label source {cfg.trainer.label_source}, top-K {cfg.trainer.distill_topk}, "
-                f"grad_accum {cfg.trainer.grad_accum})" if cfg.trainer.drafter == "eagle3" else
-                f"(drafter dflash, block size {cfg.trainer.block_size}, anchors {cfg.trainer.num_anchors}, "
-                f"grad_accum {cfg.trainer.grad_accum})"),
+            f"consumers: {len(cfg.trainer.devices)}  devices {cfg.trainer.devices}  "
+            + get_family(cfg.trainer.drafter).plan_line(cfg, self),
             *([f"nodes: {cfg.nodes.nnodes} (this is node {cfg.nodes.node_rank}; they meet at "
                f"{cfg.nodes.master_addr}:{cfg.nodes.master_port}); every node runs the producers and consumers above"]
               if cfg.nodes.nnodes > 1 else []),
@@ -198,25 +195,18 @@ def check_anchors(ds, flag: str = "--data") -> list[str]:
             f"nothing, e.g. {where}"]
 
 
-def eagle3_layer_ids(cfg: RunConfig, num_layers: int) -> list[int]:
-    """The three target layers an EAGLE-3 drafter fuses (low, middle, high): ``--target-layers`` when given,
-    else ``shared.models.eagle3.default_eagle3_layer_ids`` (the references' ``[1, L//2-1, L-4]`` in specring's
-    output-of-layer convention). Raises ``ConfigError`` naming ``--target-layers`` unless they are three distinct
-    ids inside the target, and naming ``--num-target-layers`` when that asks for other than three."""
-    from specring.shared.models.eagle3 import default_eagle3_layer_ids
-
+def drafter_layer_ids(cfg: RunConfig, num_layers: int) -> list[int]:
+    """The target layers the run's drafter captures: its family's rule (``shared.models.layer_ids``) over
+    ``--target-layers``/``--num-target-layers``. Raises ``ConfigError`` naming the flag (where it came from) at
+    fault."""
     asked_ids, asked_n = cfg.producer.target_layer_ids, cfg.producer.num_target_layers
-    if asked_ids is None and asked_n is not None and asked_n != 3:
-        key = "producer.num_target_layers"
-        detail = f"EAGLE-3 fuses exactly three target layers (low, middle, high), got {asked_n}"
-        raise ConfigError(f"{cfg.origin(key)}: {detail}", key=key, detail=detail)
-    ids = default_eagle3_layer_ids(num_layers) if asked_ids is None else [int(i) for i in asked_ids]
-    if len(ids) != 3 or len(set(ids)) != 3 or any(not 0 <= i < num_layers for i in ids):
-        key = "producer.target_layer_ids"
-        detail = (f"EAGLE-3 needs three distinct target layer ids (low, middle, high) in 0..{num_layers - 1} "
-                  f"(the target has {num_layers} layers), got {ids}")
-        raise ConfigError(f"{cfg.origin(key)}: {detail}", key=key, detail=detail)
-    return ids
+    try:
+        return get_family(cfg.trainer.drafter).resolve_layer_ids(num_layers, asked_ids, asked_n)
+    except (ConfigError, ValueError) as e:
+        key = getattr(e, "key", None) or ("target_layer_ids" if asked_ids is not None else "num_target_layers")
+        key = key if key.startswith("producer.") else f"producer.{key}"
+        detail = e.detail if isinstance(e, ConfigError) else str(e)
+        raise ConfigError(f"{cfg.origin(key)}: {detail}", key=key, detail=detail) from None
 
 
 def resolve_run(cfg: RunConfig) -> RunPlan:
@@ -226,15 +216,11 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     resolves ``--target`` once, a hub id to its directory in the local Hugging Face cache
     (``shared.hub.resolve_model_dir``): the children and the run's ``config.json`` get the directory.
     Fills in ``cfg.data.data``/``cfg.data.heldout`` (demo corpus, prepared on first use),
-    ``cfg.producer.target_layer_ids`` (for EAGLE-3 its three default layers, ``eagle3_layer_ids``),
+    ``cfg.producer.target_layer_ids`` (the drafter family's rule, ``drafter_layer_ids``),
     ``cfg.trainer.distill_topk`` when none, ``cfg.ring.slot_bytes`` when 0 and ``cfg.trainer.max_steps`` when
     ``--epochs`` is given, so that children read fully resolved values.
     """
     from specring.shared.hub import resolve_model_dir
-    from specring.shared.models.target import (
-        DEFAULT_NUM_TARGET_LAYERS,
-        resolve_layer_ids,
-    )
     from specring.supervisor.reporting import check_backends
 
     check_backends(cfg.report_to)
@@ -245,33 +231,18 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     shape = target_shape(cfg.producer.target)
     L, H = int(shape["num_hidden_layers"]), int(shape["hidden_size"])
     vocab = int(shape.get("vocab_size") or 0)  # 0: config.json does not say
-    asked_ids, asked_n = cfg.producer.target_layer_ids, cfg.producer.num_target_layers
-    eagle3 = cfg.trainer.drafter == "eagle3"
-    if eagle3:
-        ids = eagle3_layer_ids(cfg, L)
-    else:
-        try:
-            ids = resolve_layer_ids(L, asked_ids, asked_n)
-        except (ConfigError, ValueError) as e:
-            key = "producer.target_layer_ids" if asked_ids is not None else "producer.num_target_layers"
-            detail = e.detail if isinstance(e, ConfigError) else str(e)
-            raise ConfigError(f"{cfg.origin(key)}: {detail}", key=key, detail=detail) from None
+    family = get_family(cfg.trainer.drafter)
+    ids = drafter_layer_ids(cfg, L)
+    notes = family.plan_notes(cfg, L, vocab, ids)
     cfg.producer.target_layer_ids = list(ids)
     cfg.trainer.distill_topk = cfg.trainer.resolved_distill_topk()
-    notes = []
-    if eagle3:
-        if vocab and cfg.trainer.draft_vocab > vocab:
-            notes.append(f"--draft-vocab {cfg.trainer.draft_vocab} exceeds the target's vocabulary of {vocab}: "
-                         f"the draft vocabulary is the whole vocabulary")
-    elif asked_ids is None and asked_n is None and len(ids) < DEFAULT_NUM_TARGET_LAYERS:
-        notes.append(f"the {L}-layer target gives {len(ids)} default capture layers {ids} (DFlash default "
-                     f"{DEFAULT_NUM_TARGET_LAYERS} on deeper targets)")
+    family.check_run(cfg)
     if not cfg.data.data:
         from specring.shared.data.demo import ensure_demo
         train, heldout = ensure_demo()
         cfg.data.data, cfg.data.heldout = str(train), cfg.data.heldout or str(heldout)
     ds = open_dataset(cfg.data.data, "--data", shape)
-    if not eagle3:  # an EAGLE-3 position needs no anchor: any loss-carrying token after the second trains
+    if family.needs_anchors:  # an EAGLE-3 position needs no anchor: any loss-carrying token after the second trains
         notes.extend(check_anchors(ds, cfg.origin("data.data")))
     if cfg.data.heldout and cfg.trainer.eval_prompts > 0:  # tau during training reads it in the consumer
         held = open_dataset(cfg.data.heldout, "--heldout", shape)
@@ -332,4 +303,4 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
                    hidden_size=H, num_layers=L, dtype_per_producer=[DTYPE_NAMES[d] for d in dtypes],
                    plan_summary=plan.summary(), notes=notes, data_digest=ds.content_digest(), data_samples=len(ds),
                    data_tokens=ds.num_tokens, batch_plan=plan, vocab_size=vocab,
-                   draft_vocab_size=min(cfg.trainer.draft_vocab, vocab or cfg.trainer.draft_vocab) if eagle3 else 0)
+                   draft_vocab_size=min(cfg.trainer.draft_vocab, vocab or cfg.trainer.draft_vocab) if family.needs_draft_vocab else 0)

@@ -129,7 +129,7 @@ def evaluate_batch(trainer, batch: dict[str, torch.Tensor], batch_ids: list[int]
         t0 = time.perf_counter()
         ids = [int(x) for x in batch_ids]
         stats = trainer._forward_backward(batch, ids, backward=False)
-        return trainer._metrics(stats, ids, time.perf_counter() - t0)
+        return trainer._metrics(stats.host(), ids, time.perf_counter() - t0)
     finally:
         trainer.model.train(was_training)
 

@@ -198,7 +198,7 @@ class TokenDataset:
 
 def has_anchor(loss_mask: np.ndarray | Sequence[int]) -> bool:
     """Whether one sample's ``loss_mask [L]`` allows a DFlash anchor: a position ``p`` with
-    ``loss_mask[p] == loss_mask[p+1] == 1`` (the rule of ``consumer.blocks.eligible_anchors`` for one
+    ``loss_mask[p] == loss_mask[p+1] == 1`` (the rule of ``shared.drafters.dflash_blocks.eligible_anchors`` for one
     sequence; slot 1 of the anchor's block then has a label). A sample without one trains nothing."""
     m = np.asarray(loss_mask) != 0
     return bool((m[:-1] & m[1:]).any())

@@ -41,43 +41,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from specring.shared.errors import ConfigError
-from specring.shared.models.dflash import (
+from specring.shared.models.building_blocks import (
     DraftConfigDict,
     RMSNorm,
     SwiGLUMLP,
-    _rope_theta,
     apply_rope,
     read_target_head,
     rope_cos_sin,
+    rope_theta_from_config,
 )
+from specring.shared.models.layer_ids import resolve_eagle3_layer_ids
 from specring.shared.models.target_config import read_target_config, text_config
 
 DEFAULT_DRAFT_VOCAB = 32000
 DEFAULT_TTT_STEPS = 7
 DEFAULT_TTT_DECAY = 0.8
 BUFFER_KEYS = ("d2t", "t2d")
-
-
-def default_eagle3_layer_ids(num_layers: int) -> list[int]:
-    """The references' low/mid/high layers in specring's convention: ``[1, L//2 - 1, L - 4]`` (Qwen3-8B, 36
-    layers: ``[1, 17, 32]``), made distinct and valid on shallow targets (each id at least one above the
-    previous, at most ``L - 1``; fewer than three on a target of under three layers). Raises ``ConfigError``
-    for ``num_layers < 1``."""
-    if num_layers < 1:
-        raise ConfigError(f"num_layers must be >= 1, got {num_layers}")
-    if num_layers < 3:
-        return list(range(num_layers))
-    ids, prev = [], -1
-    for i in (1, num_layers // 2 - 1, num_layers - 4):
-        i = max(i, prev + 1)
-        ids.append(i)
-        prev = i
-    over = ids[-1] - (num_layers - 1)
-    if over > 0:  # shift down from the top, keeping them distinct
-        ids = [max(0, i - over) for i in ids]
-        for j in range(1, len(ids)):
-            ids[j] = max(ids[j], ids[j - 1] + 1)
-    return ids
 
 
 @dataclass
@@ -133,17 +112,17 @@ class Eagle3Config(DraftConfigDict):
         raw = read_target_config(target_dir)
         cfg = text_config(raw)
         num_layers = int(cfg["num_hidden_layers"])
-        ids = default_eagle3_layer_ids(num_layers) if target_layer_ids is None else [int(i) for i in target_layer_ids]
-        if len(ids) != 3 or len(set(ids)) != 3 or any(not 0 <= i < num_layers for i in ids):
-            raise ConfigError(f"--target-layers: EAGLE-3 needs three distinct layer ids in 0..{num_layers - 1}, "
-                              f"got {ids}")
+        try:
+            ids = resolve_eagle3_layer_ids(num_layers, target_layer_ids)
+        except ConfigError as e:
+            raise ConfigError(f"--target-layers: {e.detail}", key=e.key, detail=e.detail) from None
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
         vocab = int(cfg["vocab_size"])
         return cls(hidden_size=hidden, intermediate_size=int(cfg["intermediate_size"]), num_attention_heads=heads,
                    num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
                    head_dim=int(cfg.get("head_dim") or hidden // heads),
-                   rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=_rope_theta(cfg),
+                   rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta_from_config(cfg),
                    vocab_size=vocab, draft_vocab_size=min(int(draft_vocab_size), vocab), target_hidden_size=hidden,
                    max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)), target_layer_ids=ids,
                    ttt_steps=int(ttt_steps), ttt_decay=float(ttt_decay),

@@ -3,7 +3,7 @@ is skipped for want of labels must not report ``done``; data in which no sample 
 refused before any process starts.
 
 An anchor is a position p with loss_mask[p] == loss_mask[p+1] == 1 inside one sequence
-(``consumer.blocks.eligible_anchors``); a sample whose mask alternates 0/1 has none.
+(``shared.drafters.dflash_blocks.eligible_anchors``); a sample whose mask alternates 0/1 has none.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""Anchors, blocks, the DFlash attention mask, labels and loss weights (consumer/blocks.py)."""
+"""Anchors, blocks, the DFlash attention mask, labels and loss weights (shared/drafters/dflash_blocks.py)."""
 
 import math
 
 import pytest
 import torch
 
-from specring.consumer.blocks import (
+from specring.shared.drafters.dflash_blocks import (
     IGNORE,
     block_loss,
     build_block_batch,

@@ -5,7 +5,7 @@ import json
 import torch
 
 from specring.consumer.tau import CheckpointEvaluator
-from specring.consumer.trainer import dflash_config_from_run
+from specring.consumer.trainer import drafter_config_from_run
 from specring.shared.config import DataConfig, ProducerConfig, RunConfig, TrainerConfig
 from specring.shared.models.dflash import build_drafter
 from tests.support import TARGET, make_dataset
@@ -18,7 +18,7 @@ def test_checkpoint_evaluator_writes_tau_records(tmp_path):
                     producer=ProducerConfig(target=str(TARGET), devices=["cpu"], target_layer_ids=[1, 5]),
                     trainer=TrainerConfig(block_size=4, num_draft_layers=1, eval_prompts=2, eval_max_new_tokens=8))
     (tmp_path / "run").mkdir()
-    drafter = build_drafter(dflash_config_from_run(cfg), TARGET, "cpu", torch.float32)
+    drafter = build_drafter(drafter_config_from_run(cfg), TARGET, "cpu", torch.float32)
     ev = CheckpointEvaluator(cfg, torch.device("cpu"), tmp_path / "run", prompt_len=16)
     first = ev(drafter, step=10, loss=6.5)
     ev(drafter, step=20, loss=6.0)

@@ -9,10 +9,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import specring.shared.models.dflash as dflash
-from specring.consumer.blocks import build_block_batch
+from specring.shared.drafters.dflash_blocks import build_block_batch
 from specring.shared.models.dflash import DFlashConfig, DFlashDrafter, build_drafter
 from specring.shared.models.draft_attention import build_attention_mask
-from specring.shared.models.target import default_target_layer_ids
+from specring.shared.models.layer_ids import default_target_layer_ids
 from tests.support import TARGET
 
 

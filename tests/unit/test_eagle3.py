@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter (shared/models/eagle3.py) and its TTT loss (consumer/eagle3_ttt.py)."""
+"""The EAGLE-3 drafter (shared/models/eagle3.py) and its TTT loss (shared/drafters/eagle3_ttt.py)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from specring.consumer.eagle3_ttt import eagle3_loss, ttt_inputs
+from specring.shared.drafters.eagle3_ttt import eagle3_loss, ttt_inputs
 from specring.shared.errors import ConfigError
+from specring.shared.models.layer_ids import default_eagle3_layer_ids
 from specring.shared.models.eagle3 import (
     Eagle3Config,
     Eagle3Drafter,
     build_draft_vocab,
     build_eagle3,
-    default_eagle3_layer_ids,
     draft_to_target,
     eagle3_chain,
     eagle3_extend,
@@ -236,7 +236,7 @@ def test_the_trainer_trains_checkpoints_and_resumes_an_eagle3_drafter_exactly(tm
         Trainer(cfg, DFlashConfig.from_target(TARGET, None), TARGET, "cpu", tmp_path / "d").load_checkpoint(path)
 
 
-# What SGLang's and vLLM's llama_eagle3.py load_weights accept (read from their source; see cli/export_eagle3.py):
+# What SGLang's and vLLM's llama_eagle3.py load_weights accept (read from their source; see shared/drafters/eagle3_export.py):
 # these names, no "model." prefix, "midlayer." for the layer, d2t as offsets.
 ENGINE_NAMES = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
     f"midlayer.{n}.weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -249,7 +249,7 @@ def test_export_has_the_engines_names_shapes_and_config_and_bad_ones_are_refused
 
     from safetensors import safe_open
 
-    from specring.cli.export_eagle3 import check_eagle3_export, export_eagle3
+    from specring.shared.drafters.eagle3_export import check_eagle3_export, export_eagle3
     from specring.shared import checkpoint as ckpt
     cfg = Eagle3Config.from_target(TARGET, draft_vocab_size=3000, ttt_steps=2)
     d2t, t2d = build_draft_vocab(torch.arange(8192) % 97, 3000)
@@ -282,7 +282,7 @@ def test_export_has_the_engines_names_shapes_and_config_and_bad_ones_are_refused
     with pytest.raises(ValueError, match="lacks"):
         check_eagle3_export({k: v for k, v in conf.items() if k != "draft_vocab_size"}, got)
     # read back as served (launch.py eval --drafter EXPORT): the exported weights in bf16, the target's embedding
-    from specring.cli.export import load_exported_as_served
+    from specring.shared.drafters import load_export as load_exported_as_served
     served = load_exported_as_served(out)
     assert isinstance(served, Eagle3Drafter) and served.fc.weight.dtype == torch.bfloat16
     assert torch.equal(served.d2t, d2t) and served.config.ttt_steps == 2

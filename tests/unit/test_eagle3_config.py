@@ -17,7 +17,8 @@ from specring.shared.config import DEFAULT_EAGLE3_TOPK
 from specring.shared.data.dataset import TokenDataset
 from specring.shared.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab, write_draft_vocab
 from specring.shared.errors import ConfigError
-from specring.shared.models.eagle3 import build_draft_vocab, default_eagle3_layer_ids, draft_to_target
+from specring.shared.models.eagle3 import build_draft_vocab, draft_to_target
+from specring.shared.models.layer_ids import default_eagle3_layer_ids
 from specring.supervisor.resume import checkpoint_step_on_disk, prepare_draft_vocab
 from specring.supervisor.runplan import resolve_run
 from tests.support import TARGET, make_dataset

@@ -1,8 +1,8 @@
-"""Export to the DFlash serving format (consumer/export.py): layout, names, reload, refusals.
+"""Export to the DFlash serving format (shared/drafters/dflash_export.py): layout, names, reload, refusals.
 
 Names and config fields are checked against the public draft definition (z-lab/dflash ``dflash/model.py``,
 ``DFlashDraftModel``) and what the serving loaders read (SGLang ``speculative/dflash_utils.py``
-``parse_dflash_draft_config``, vLLM ``models/qwen3_dflash.py``); see consumer/export.py.
+``parse_dflash_draft_config``, vLLM ``models/qwen3_dflash.py``); see shared/drafters/dflash_export.py.
 """
 
 import json
@@ -16,11 +16,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specring.cli.export import (
+from specring.cli.export import main
+from specring.shared.drafters.dflash_export import (
     export_drafter,
     load_exported,
     load_exported_as_served,
-    main,
     reference_weight_names,
 )
 from specring.shared import checkpoint as ckpt
@@ -285,7 +285,7 @@ def test_spec_generate_keeps_the_agreeing_prefix_and_stays_lossless(tmp_path, dr
     target's greedy tokens, in ceil(N / (right + 1)) verify rounds."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from specring.cli.hf_model import DFlashDraftModel
+    from specring.shared.drafters.dflash_hf_model import DFlashDraftModel
 
     _save(tmp_path / "run", drafter, dcfg)
     out = export_drafter(tmp_path / "run", tmp_path / "e", TARGET, dtype="float32")

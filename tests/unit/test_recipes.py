@@ -17,7 +17,7 @@ from specring.cli.flags import load_config_file
 from specring.cli.train import train_main
 from specring.shared.hub import HUB_ID
 from specring.shared.models.dflash import DFlashConfig
-from specring.shared.models.target import default_target_layer_ids
+from specring.shared.models.layer_ids import default_target_layer_ids
 from tests.support import REPO, make_dataset
 
 RECIPES = sorted((REPO / "configs").glob("*.toml"))

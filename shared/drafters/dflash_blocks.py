@@ -195,10 +195,32 @@ class BlockLoss:
     num_blocks: int
 
 
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> torch.Tensor:
+    """D-PACE loss weights of the predicted slots of each block, detached: ``[A, B-1] float32``.
+
+    ``ce [A, B-1]``: each slot's cross-entropy; ``valid [A, B-1] bool``: labelled slots. Per slot ``q = exp(-CE)``
+    (the drafter's probability of the label, a proxy for the chance the slot is accepted; 0 for an unlabelled
+    slot, which cannot be accepted), ``q' = (1 - alpha) * q + alpha``, and ``w_j = sum_{m >= j} prod_{i <= m} q'_i``:
+    the expected number of accepted slots that slot ``j``'s acceptance is a prefix of, so early slots, on which
+    every later one depends, weigh most. Unlabelled slots get weight 0. ``alpha`` in ``[0, 1]`` (``ValueError``
+    otherwise). Source: D-PACE as vllm-project/speculators PR #980 and NVIDIA Model-Optimizer PR #1724 use it
+    by default (SpecForge PR #578 as an option); written here from that description.
+    """
+    if not 0.0 <= float(alpha) <= 1.0:
+        raise ValueError(f"dpace_alpha: must be in [0, 1], got {alpha}")
+    with torch.no_grad():
+        q = torch.where(valid, torch.exp(-ce.detach().float()), torch.zeros_like(ce, dtype=torch.float32))
+        qp = (1.0 - float(alpha)) * q + float(alpha)
+        prefix = torch.cumprod(qp, dim=1)                                     # prod_{i <= m} q'_i
+        w = torch.flip(torch.cumsum(torch.flip(prefix, [1]), dim=1), [1])    # sum_{m >= j}
+        return w * valid
+
+
 def block_loss(logits_fn, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                chunk_rows: int | None = None, backward: bool = False, *,
                topk_ids: torch.Tensor | None = None, topk_logprobs: torch.Tensor | None = None,
-               distill_weight: float = 0.0) -> BlockLoss:
+               distill_weight: float = 0.0, loss: str = "ce", dpace_alpha: float = 0.5,
+               extra=None) -> BlockLoss:
     """Weighted cross-entropy of draft hidden states ``hidden [A*B, H]`` against ``labels [A, B]``.
 
     ``logits_fn`` maps ``[N, H] -> [N, V]`` (the frozen LM head); it is applied to the rows of slots
@@ -218,7 +240,15 @@ def block_loss(logits_fn, hidden: torch.Tensor, labels: torch.Tensor, weights: t
     the caller then runs ``h.backward(hidden.grad)`` through the drafter) before the next chunk is computed,
     so only one chunk of ``[rows, V]`` float32 logits is alive at a time (the 152k-token vocab of an 8B target
     would otherwise need tens of GB); ``weighted_ce`` is then returned detached.
+
+    ``loss="dpace"`` replaces the decay ``weights`` by the D-PACE weights of each block (``dpace_weights``, from
+    the chunk's own cross-entropies, detached). ``extra(logits [n, V], hidden [n, H], labels [a, B-1], i, j)``,
+    when given, is called for each chunk of blocks ``i..j-1`` (``n = (j - i) * (B - 1)`` rows of slots 1..B-1)
+    and returns a scalar loss added to the chunk's before its backward (DFlash2's selector loss).
+    Raises ``ValueError`` for another ``loss``.
     """
+    if loss not in ("ce", "dpace"):
+        raise ValueError(f"loss: must be ce or dpace, got {loss!r}")
     a, b = labels.shape
     dev = hidden.device
     h3 = hidden.view(a, b, hidden.shape[-1])
@@ -229,24 +259,32 @@ def block_loss(logits_fn, hidden: torch.Tensor, labels: torch.Tensor, weights: t
     blocks_per_chunk = max(1, int(chunk_rows) // max(1, b - 1)) if chunk_rows else max(1, a)
     total = torch.zeros((), dtype=torch.float32, device=dev)
     distill = topk_ids is not None and distill_weight > 0
+    dpace = loss == "dpace"
+    if dpace:
+        w = w.clone()
     for i in range(0, a, blocks_per_chunk):
         j = min(a, i + blocks_per_chunk)
         logits = logits_fn(h3[i:j, 1:].reshape((j - i) * (b - 1), -1)).float()
         target = lab[i:j].reshape(-1)
+        ce = F.cross_entropy(logits, target, reduction="none", ignore_index=IGNORE)
+        if dpace:
+            w[i:j] = dpace_weights(ce.view(j - i, b - 1), valid[i:j], dpace_alpha)
         wc = w[i:j].reshape(-1)
-        loss = (F.cross_entropy(logits, target, reduction="none", ignore_index=IGNORE) * wc).sum()
+        chunk_loss = (ce * wc).sum()
         if distill:
             k = topk_ids.shape[-1]
             logq = torch.log_softmax(logits, dim=-1).gather(1, topk_ids[i:j, 1:].reshape(-1, k).long())
             logp = torch.log_softmax(topk_logprobs[i:j, 1:].reshape(-1, k).float(), dim=-1)
             kl = (logp.exp() * (logp - logq)).sum(-1)
-            loss = loss + float(distill_weight) * (kl * wc).sum()
+            chunk_loss = chunk_loss + float(distill_weight) * (kl * wc).sum()
+        if extra is not None:
+            chunk_loss = chunk_loss + extra(logits, h3[i:j, 1:].reshape((j - i) * (b - 1), -1), lab[i:j], i, j)
         pred[i:j] = logits.detach().argmax(-1).view(j - i, b - 1)
         del logits
         if backward:
-            loss.backward()
-            loss = loss.detach()
-        total = total + loss
+            chunk_loss.backward()
+            chunk_loss = chunk_loss.detach()
+        total = total + chunk_loss
     hit = (pred == lab) & valid                                               # [A, B-1]
     lead = torch.cumprod(hit.long(), dim=1).sum(dim=1)
     zero = torch.zeros(1, dtype=torch.long, device=dev)

@@ -1,0 +1,98 @@
+"""The drafter contract and registry (shared/drafters/): named step statistics, the D-PACE weights, the DFlash2
+selector's training targets, and dispatch by family (issue 22)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specring.shared.drafters import NAMES, family_of, get_family
+from specring.shared.drafters.contract import COMMON_STATS, StepStats
+from specring.shared.drafters.dflash2 import selector_targets
+from specring.shared.drafters.dflash_blocks import IGNORE, block_loss, dpace_weights, loss_weights
+from specring.shared.models.dflash import DFlashConfig
+from specring.shared.models.dflash2 import DFlash2Config
+from specring.shared.models.eagle3 import Eagle3Config
+
+
+def test_step_stats_are_named_sums_in_one_buffer():
+    layout = {**{k: 1 for k in COMMON_STATS}, "correct": 3}
+    a, b = StepStats(layout), StepStats(layout)
+    a["loss_sum"] += 2.0
+    a["correct"] += torch.tensor([1.0, 0.0, 2.0], dtype=torch.float64)
+    b["loss_sum"] += 0.5
+    b["correct"][1] += 4
+    a.add(b)
+    host = a.host()
+    assert host["loss_sum"] == 2.5 and host["correct"] == [1.0, 4.0, 2.0]
+    assert a.flat().numel() == len(COMMON_STATS) + 3            # what all_reduce sums: one float64 buffer
+    a.flat().mul_(2)                                            # reducing the buffer updates every statistic
+    assert a.host()["loss_sum"] == 5.0
+    with pytest.raises(KeyError, match="no statistic 'nope'"):
+        a["nope"]
+    with pytest.raises(ValueError, match="lacks the common statistics"):
+        StepStats({"correct": 3})
+
+
+def test_dpace_weights_by_hand():
+    # CE 0, ln 2, ln 4 -> q = 1, 1/2, 1/4; alpha 0.5 -> q' = 1, 3/4, 5/8; prefix products 1, 3/4, 15/32
+    ce = torch.tensor([[0.0, math.log(2), math.log(4)]])
+    w = dpace_weights(ce, torch.ones(1, 3, dtype=torch.bool), 0.5)
+    assert torch.allclose(w, torch.tensor([[1 + 0.75 + 15 / 32, 0.75 + 15 / 32, 15 / 32]]))
+    # an unlabelled slot cannot be accepted: q = 0 there (q' = alpha) and its own weight is 0
+    w = dpace_weights(ce, torch.tensor([[True, False, True]]), 0.5)
+    assert torch.allclose(w, torch.tensor([[1 + 0.5 + 0.5 * 0.625, 0.0, 0.5 * 0.625]]))
+    # alpha 1: every q' is 1, the weights count the slots from j to the end
+    assert torch.equal(dpace_weights(ce, torch.ones(1, 3, dtype=torch.bool), 1.0), torch.tensor([[3.0, 2.0, 1.0]]))
+    with pytest.raises(ValueError, match="dpace_alpha"):
+        dpace_weights(ce, torch.ones(1, 3, dtype=torch.bool), 1.5)
+
+
+def test_block_loss_dpace_weighs_each_slot_by_its_dpace_weight():
+    torch.manual_seed(0)
+    a, b, h, v = 3, 4, 8, 11
+    head = torch.randn(v, h)
+    hidden = torch.randn(a * b, h)
+    labels = torch.randint(0, v, (a, b))
+    labels[:, 0] = IGNORE
+    labels[1, 3] = IGNORE
+    out = block_loss(lambda x: x @ head.T, hidden, labels, loss_weights(b, 7.0), loss="dpace", dpace_alpha=0.5)
+    logits = (hidden.view(a, b, h)[:, 1:] @ head.T).reshape(-1, v)
+    ce = torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1), reduction="none",
+                                           ignore_index=IGNORE).view(a, b - 1)
+    w = dpace_weights(ce, labels[:, 1:] != IGNORE, 0.5)
+    assert torch.allclose(out.weighted_ce, (ce * w).sum()) and torch.allclose(out.weight_sum, w.sum())
+    with pytest.raises(ValueError, match="loss: must be ce or dpace"):
+        block_loss(lambda x: x @ head.T, hidden, labels, loss_weights(b, 7.0), loss="mse")
+
+
+def test_selector_targets_insert_the_gold_token_when_the_top_k_misses_it():
+    logits = torch.tensor([[5.0, 4.0, 3.0, 2.0, 1.0],     # gold 1 is in the top 3
+                           [5.0, 4.0, 3.0, 2.0, 1.0],     # gold 4 is not: it replaces the last candidate
+                           [5.0, 4.0, 3.0, 2.0, 1.0]])    # unlabelled: the top 3 as they are
+    gold = torch.tensor([1, 4, IGNORE])
+    cand, target, in_top = selector_targets(logits, gold, 3)
+    assert cand[0].tolist() == [0, 1, 2] and int(target[0]) == 1 and bool(in_top[0])
+    assert cand[1].tolist() == [0, 1, 4] and int(target[1]) == 2 and not bool(in_top[1])
+    assert cand[2].tolist() == [0, 1, 2] and not bool(in_top[2])
+
+
+def _tiny(cls, **kw):
+    return cls(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+               head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=40, max_position_embeddings=256,
+               target_layer_ids=[0], num_target_layers=1, block_size=4, **kw)
+
+
+def test_the_registry_finds_each_family_by_name_config_and_model():
+    assert set(NAMES) == {"dflash", "dflash2", "eagle3"}
+    d1 = _tiny(DFlashConfig)
+    d2 = _tiny(DFlash2Config, conv_group_size=8, selector_rank=4, selector_top_k=4)
+    assert family_of(d1).name == "dflash" and family_of(d2).name == "dflash2"   # the most derived class wins
+    assert family_of(get_family("dflash2").build(d2)).name == "dflash2"
+    assert get_family("eagle3").config_cls is Eagle3Config
+    with pytest.raises(ValueError, match="unknown drafter family 'medusa'"):
+        get_family("medusa")
+    with pytest.raises(TypeError):
+        family_of(object())
