@@ -5,6 +5,15 @@ baselines (an untrained drafter, prompt lookup), on held-out prompts. A DFlash d
 ``--block-size - 1``; an EAGLE-3 drafter drafts a chain of ``--num-draft-tokens`` one by one (``Eagle3Proposer``),
 and every row then verifies blocks of ``--num-draft-tokens + 1``; see docs/evaluation.md for the
 standard setting and ``specring.shared.models.speculative`` for what is counted.
+
+Decoding is greedy by default. ``--temperature T`` (> 0), with ``--top-p`` and ``--top-k``, makes every drafter
+and baseline row decode by lossless speculative sampling (``SamplingParams``, ``rejection_sample``: the output is
+distributed as sampling from the target itself), each row's draws from its own CPU generator seeded with
+``--sampling-seed`` (so a row is reproducible on its own). The greedy reference row still runs, as the speed
+baseline of ``speedup``, but token equality with it does not apply: the lossless column reads ``n/a`` and
+``lossless_mismatches`` is null. The JSON output records the parameters under ``sampling``. Bad values
+(negative or non-finite temperature, ``--top-p`` outside (0, 1], negative ``--top-k`` or seed) are a
+``ConfigError`` (exit code 2) before anything is loaded.
 """
 
 from __future__ import annotations
@@ -24,11 +33,13 @@ from specring.shared.models.ngram import PromptLookupProposer
 from specring.shared.models.speculative import (
     DFlashProposer,
     Eagle3Proposer,
+    SamplingParams,
     check_same_head,
     greedy_generate,
     load_prompts,
     speculative_generate,
     summarize,
+    target_vocab_size,
     untrained_drafter,
 )
 
@@ -63,7 +74,8 @@ HELP_EXAMPLES = """\
 examples:
   launch.py eval --drafter runs/latest                  the run's latest checkpoint on the demo held-out split
   launch.py eval --drafter exported/ --target Qwen/Qwen3-8B --data data/heldout.arrow --num-prompts 64
-  launch.py eval --baselines-only --target /models/Qwen3-8B --data data/heldout.arrow"""
+  launch.py eval --baselines-only --target /models/Qwen3-8B --data data/heldout.arrow
+  launch.py eval --drafter runs/latest --temperature 0.7 --top-p 0.95 --sampling-seed 1   speculative sampling"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,8 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="launch.py eval", formatter_class=CommandHelpFormatter, epilog=HELP_EXAMPLES,
                                 description=(
-        "Acceptance length tau by real greedy block-verify speculative decoding with the target, next to "
-        "the baselines (untrained drafter, prompt lookup) and checked lossless against greedy decoding."))
+        "Acceptance length tau by real block-verify speculative decoding with the target (greedy, or lossless "
+        "speculative sampling with --temperature > 0), next to the baselines (untrained drafter, prompt lookup); "
+        "greedy decoding is checked lossless against plain greedy decoding."))
     m = p.add_argument_group("target and drafter")
     m.add_argument("--drafter", default="none", help="checkpoint step directory, run directory (its latest "
                                                      "checkpoint) or export; none: baselines only")
@@ -98,6 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "K+1, also for the baselines); default: the drafter's TTT steps")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS token")
     g.add_argument("--no-lossless-check", action="store_true", help="skip the greedy reference decode")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy decoding (checked lossless); > 0: speculative sampling at this temperature "
+                        "(the greedy row stays as the speed baseline, the lossless check is n/a)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass in (0, 1] (1: off); with --temperature > 0")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the K most likely tokens (0: off); with "
+                                                        "--temperature > 0")
+    g.add_argument("--sampling-seed", type=int, default=0,
+                   help="seed of each row's sampling generator (with --temperature > 0)")
     b = p.add_argument_group("baselines")
     b.add_argument("--baselines-only", action="store_true", help="evaluate only the baselines")
     b.add_argument("--no-baselines", action="store_true", help="skip the untrained-drafter and prompt-lookup rows")
@@ -117,6 +139,32 @@ def _stop_ids(hf_config) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """``SamplingParams`` of ``--temperature``/``--top-p``/``--top-k`` (temperature 0: greedy). Raises
+    ``ConfigError`` naming the flag for a negative or non-finite temperature, a top-p outside (0, 1], a
+    negative top-k or a negative ``--sampling-seed``; logs a warning when top-p/top-k are set at temperature 0
+    (greedy decoding ignores them)."""
+    import math
+
+    from specring.shared.errors import ConfigError
+
+    t = float(getattr(args, "temperature", 0.0))
+    top_p = float(getattr(args, "top_p", 1.0))
+    top_k = int(getattr(args, "top_k", 0))
+    seed = int(getattr(args, "sampling_seed", 0))
+    if not math.isfinite(t) or t < 0:
+        raise ConfigError(f"--temperature: must be a finite number >= 0 (0 = greedy), got {t}")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"--top-p: must be in (0, 1] (1 = off), got {top_p}")
+    if top_k < 0:
+        raise ConfigError(f"--top-k: must be >= 0 (0 = off), got {top_k}")
+    if seed < 0:
+        raise ConfigError(f"--sampling-seed: must be >= 0, got {seed}")
+    if t == 0 and (top_p < 1 or top_k > 0):
+        logger.warning("--top-p/--top-k have no effect at --temperature 0 (greedy decoding)")
+    return SamplingParams(t, top_p, top_k)
+
+
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     """Everything ``main`` computes, as the JSON it writes (``rows``: one dict per dataset x drafter)."""
     from specring.shared import checkpoint as ckpt
@@ -128,6 +176,9 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
                     ("--prompt-len", args.prompt_len)):
         if v < 1:
             raise ConfigError(f"{flag}: must be >= 1, got {v}")
+    sampling = sampling_params(args)
+    sampled = not sampling.greedy
+    sampling_seed = int(getattr(args, "sampling_seed", 0))
     use_drafter = not args.baselines_only and str(args.drafter).lower() not in ("none", "")
     step_dir = ckpt.resolve_checkpoint(args.drafter) if use_drafter else None
     from specring.shared.hub import resolve_model_dir
@@ -178,7 +229,8 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
             rows_spec.append(("dflash untrained", DFlashProposer(untrained_drafter(dcfg, target_dir, device, dtype,
                                                                                    args.seed), bsz)))
         if "prompt-lookup" in baselines:
-            rows_spec.append((f"prompt-lookup (n<={args.ngram_max})", PromptLookupProposer(args.ngram_max)))
+            rows_spec.append((f"prompt-lookup (n<={args.ngram_max})",
+                              PromptLookupProposer(args.ngram_max, vocab_size=target_vocab_size(target))))
     stop = [] if args.ignore_eos else _stop_ids(hf_config)
     data = [Path(d) for d in args.data] if args.data else None
     if data is None:
@@ -192,15 +244,18 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         if not args.no_lossless_check:
             ref = [greedy_generate(target, p, args.max_new_tokens, stop)
                    for p in _progress(prompts, f"{path.stem}: target greedy")]
-            rows.append({"dataset": path.stem, "drafter": "target greedy (reference)", **summarize(ref, bsz),
-                         "speedup": 1.0})
+            rows.append({"dataset": path.stem,
+                         "drafter": "target greedy (speed baseline)" if sampled else "target greedy (reference)",
+                         **summarize(ref, bsz), "speedup": 1.0})
             greedy_rate = rows[-1]["tokens_per_s"]
         for name, proposer in rows_spec:
-            res = [speculative_generate(target, proposer, p, args.max_new_tokens, bsz, dcfg.target_layer_ids, stop)
+            gen = torch.Generator().manual_seed(sampling_seed) if sampled else None  # per row: reproducible alone
+            res = [speculative_generate(target, proposer, p, args.max_new_tokens, bsz, dcfg.target_layer_ids, stop,
+                                        sampling=sampling if sampled else None, generator=gen)
                    for p in _progress(prompts, f"{path.stem}: {name}")]
             row = {"dataset": path.stem, "drafter": name, **summarize(res, bsz)}
             if ref is not None:
-                row["lossless_mismatches"] = sum(r.tokens != g.tokens for r, g in zip(res, ref))
+                row["lossless_mismatches"] = None if sampled else sum(r.tokens != g.tokens for r, g in zip(res, ref))
                 row["speedup"] = row["tokens_per_s"] / greedy_rate if greedy_rate and row["tokens_per_s"] else None
             rows.append(row)
             logger.info("eval dataset=%s drafter=%r tau_mean=%s", path.stem, name, row["tau_mean"])
@@ -208,7 +263,11 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
             "drafter_kind": "eagle3" if eagle3 else ("dflash" if drafter is not None else None), "device": device,
             "dtype": str(dtype).replace("torch.", ""), "block_size": bsz, "num_prompts": args.num_prompts,
             "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "stop_token_ids": stop,
-            "target_layer_ids": dcfg.target_layer_ids, "rows": rows}
+            "target_layer_ids": dcfg.target_layer_ids,
+            "sampling": {**sampling.to_dict(), "seed": sampling_seed if sampled else None},
+            "lossless_check": ("not applicable: sampled decoding (temperature > 0)" if sampled else
+                               ("skipped" if args.no_lossless_check else "token equality with greedy decoding")),
+            "rows": rows}
 
 
 def _progress(items: list, desc: str):
@@ -225,9 +284,13 @@ def format_table(report: dict[str, Any]) -> str:
     head = (f"{'dataset':<12} {'drafter':<30} {'prompts':>7} {'tau mean':>8} {'p50':>5} {'p90':>5} "
             f"{'fwd/tok':>7} {'tok/s':>8} {'speedup':>7} {'lossless':>8}")
     lines = [head, "-" * len(head)]
+    sampled = (report.get("sampling") or {}).get("temperature", 0) > 0
     for r in report["rows"]:
         mism = r.get("lossless_mismatches")
-        lossless = "-" if mism is None else ("yes" if mism == 0 else f"NO ({mism})")
+        if sampled and not r["drafter"].startswith("target greedy"):
+            lossless = "n/a"
+        else:
+            lossless = "-" if mism is None else ("yes" if mism == 0 else f"NO ({mism})")
         lines.append(f"{r['dataset'][:12]:<12} {r['drafter'][:30]:<30} {r['num_prompts']:>7} "
                      f"{f(r['tau_mean'], '.3f'):>8} {f(r['tau_p50'], '.1f'):>5} {f(r['tau_p90'], '.1f'):>5} "
                      f"{f(r['forwards_per_token'], '.3f'):>7} {f(r['tokens_per_s'], '.1f'):>8} "
@@ -235,11 +298,19 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _decoding_line(sampling: dict[str, Any]) -> str:
+    if not sampling["temperature"] > 0:
+        return "greedy"
+    return (f"sampling T={sampling['temperature']:g} top-p={sampling['top_p']:g} top-k={sampling['top_k']} "
+            f"seed={sampling['seed']} (lossless check n/a)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """``launch.py eval``: print the τ table (and write ``--output-json``). Exit code 0; 2 for a bad flag
-    or input; 1 when, in float32, a speculative output differed from greedy decoding (a bug: decoding is
-    lossless). In bfloat16/float16 that is only a warning: the verify forward over ``k + 1`` tokens and the
-    one-token greedy step round differently, so a near-tie of the two best logits can flip."""
+    or input; 1 when, in float32, a greedy speculative output differed from greedy decoding (a bug: decoding
+    is lossless; with ``--temperature > 0`` there is no token check). In bfloat16/float16 that is only a
+    warning: the verify forward over ``k + 1`` tokens and the one-token greedy step round differently, so a
+    near-tie of the two best logits can flip."""
     from specring.shared.errors import ConfigError
 
     args = build_parser().parse_args(argv)
@@ -252,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"target {report['target']}  drafter {report['drafter'] or 'none'}  B={report['block_size']}  "
           f"prompt {report['prompt_len']} tokens, {report['max_new_tokens']} new, {report['device']} "
-          f"{report['dtype']}")
+          f"{report['dtype']}, {_decoding_line(report['sampling'])}")
     print(format_table(report))
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)

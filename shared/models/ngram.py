@@ -9,8 +9,10 @@ public versions take the *first* occurrence, this one takes the *most recent* (t
 the better predictor in code, which repeats locally); the choice is a constant of the baseline, not a
 tuned knob. Written here from those descriptions, not copied.
 
-The class follows the proposer interface of ``consumer/evaluate.py`` (``reset``, ``add_context``,
-``propose``) and needs no target features.
+The class follows the proposer interface of ``shared/models/speculative.py`` (``reset``, ``add_context``,
+``propose``, and ``propose_sample`` for speculative sampling) and needs no target features. Its proposal is
+deterministic, so under sampling its ``q`` is the one-hot of each draft (a draft ``d`` is then accepted with
+probability ``p(d)``).
 """
 
 from __future__ import annotations
@@ -23,16 +25,21 @@ class PromptLookupProposer:
 
     ``max_ngram >= min_ngram >= 1``; raises ``ValueError`` otherwise. Stateless: the whole sequence is
     passed to ``propose`` every time (a linear scan per n-gram size, fine for evaluation-length texts).
+    ``vocab_size``: the width ``V`` of the target's logits, needed only by ``propose_sample`` (``q [n, V]``);
+    ``evaluate_tau`` fills it in from the target when it is None. Raises ``ValueError`` when it is not ``>= 1``.
     """
 
     name = "prompt-lookup"
     needs_features = False
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, vocab_size: int | None = None):
         if not 1 <= int(min_ngram) <= int(max_ngram):
             raise ValueError(f"ngram sizes: need 1 <= min_ngram <= max_ngram, got min={min_ngram} max={max_ngram}")
+        if vocab_size is not None and int(vocab_size) < 1:
+            raise ValueError(f"vocab_size: must be >= 1, got {vocab_size}")
         self.max_ngram = int(max_ngram)
         self.min_ngram = int(min_ngram)
+        self.vocab_size = None if vocab_size is None else int(vocab_size)
 
     def reset(self, prompt_ids: list[int]) -> None:
         """Start a new sequence (nothing to keep)."""
@@ -59,3 +66,19 @@ class PromptLookupProposer:
             if follow.numel():
                 return follow.tolist()
         return []
+
+    def propose_sample(self, tokens: list[int], k: int, params, generator) -> tuple[list[int], torch.Tensor]:
+        """``propose``'s drafts and ``q [len(drafts), vocab_size]`` float32, the one-hot of each draft (the
+        proposal is deterministic; ``params`` and ``generator`` are not used). Raises ``ValueError`` when
+        ``vocab_size`` is None or a draft lies outside it."""
+        if self.vocab_size is None:
+            raise ValueError("PromptLookupProposer.propose_sample: vocab_size unknown; construct it with "
+                             "vocab_size=V (the width of the target's logits)")
+        drafts = self.propose(tokens, k)
+        if any(not 0 <= t < self.vocab_size for t in drafts):
+            raise ValueError(f"PromptLookupProposer.propose_sample: a draft id lies outside vocab_size "
+                             f"{self.vocab_size} ({drafts})")
+        q = torch.zeros(len(drafts), self.vocab_size, dtype=torch.float32)
+        if drafts:
+            q[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.long)] = 1.0
+        return drafts, q

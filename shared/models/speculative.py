@@ -1,4 +1,4 @@
-"""Speculative decoding with the target (greedy, block verify) and its acceptance length τ.
+"""Speculative decoding with the target (block verify; greedy, or lossless sampling) and its acceptance length τ.
 
 Algorithm: DFlash block-verify decoding as in the public reference loop, z-lab/dflash ``dflash/model.py``
 (``dflash_generate``, called by ``DFlashDraftModel.spec_generate``), greedy branch; written here, not
@@ -33,17 +33,39 @@ decoding). ``tokens_per_s`` = generated tokens / wall time of the generate calls
 ``speedup`` = a row's ``tokens_per_s`` over plain greedy decoding's in the same run (the reference's
 "Decoding speedup": baseline time per output token over speculative time per output token).
 
+Sampling (``SamplingParams`` with temperature > 0; temperature 0 is the greedy loop above, unchanged):
+speculative sampling, Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding",
+Algorithm 1) and Chen et al. 2023 ("Accelerating Large Language Model Decoding with Speculative Sampling"),
+as z-lab/dflash ``dflash/model.py`` runs it in ``dflash_generate`` for temperature > 0
+(``_sampling_probs``, ``_rejection_sample``); written here, not copied. The same loop, with three changes:
+the prefill's token is drawn from ``p = params.probs(logits)``; the proposer's ``propose_sample`` returns the
+drafts and ``q [k, V]``, the distribution each was drawn from given the drafts before it; and instead of
+comparing with the argmax, ``rejection_sample`` accepts draft ``i`` with probability ``min(1, p_i(d_i) /
+q_i(d_i))`` (``p_i``: the target's distribution after position ``p + i`` of the verify forward), draws the
+step's last token at the first rejection from ``normalise(max(0, p_i - q_i))``, or, all accepted, the bonus
+from ``p_k``. Each emitted token is then distributed exactly as plain sampling from the target
+(``sample_generate``; a test compares the distributions), whatever the drafter. Cache cropping, context
+and counting are those of the greedy loop (the acceptance length is still accepted + 1). Every random draw
+(``torch.multinomial``, ``torch.rand``) uses the caller's CPU ``torch.Generator``, so a seed reproduces a run.
+
 A *proposer* is any object with ``name``, ``needs_features`` and the methods ``reset(prompt_ids)``,
 ``add_context(features [C, n*H] | None, positions [C])`` and ``propose(tokens, k) -> list[int]`` (``tokens``:
-the whole sequence, its last entry the anchor). ``DFlashProposer`` wraps a drafter;
-``consumer.ngram.PromptLookupProposer`` is the model-free baseline.
+the whole sequence, its last entry the anchor); to sample it also has ``propose_sample(tokens, k, params,
+generator) -> (drafts, q [len(drafts), V] float32)``. ``DFlashProposer`` wraps a DFlash drafter (block slots
+are parallel: each slot drawn from its own row), ``Eagle3Proposer`` an EAGLE-3 drafter (a chain: each draw
+feeds the next step, ``eagle3_chain_pick``), ``shared.models.ngram.PromptLookupProposer`` is the model-free
+baseline (one-hot ``q``). A drafting loop samples through a ``SamplePicker`` (``pick(logits [V]) -> id``, the
+rows recorded as ``q``), called slot by slot, so a proposer whose slot ``j`` depends on slot ``j - 1``'s
+choice, or offers only ``K`` candidates (``-inf`` elsewhere, so ``q`` is 0 there), fits the same interface.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +83,132 @@ from specring.shared.models.dflash import (
 from specring.shared.models.eagle3 import Eagle3Drafter
 
 logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------- sampling
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a token is drawn from a row of logits: ``temperature`` (``0`` = greedy), then ``top_k`` (``0`` = off:
+    keep the ``top_k`` highest scores), then ``top_p`` (``1.0`` = off: nucleus, the smallest set of most likely
+    tokens whose probability reaches ``top_p``), renormalised. The order and the nucleus rule (a token is kept
+    while the mass before it is below ``top_p``, so the most likely one always is) are z-lab/dflash's
+    ``dflash/model.py`` ``_sampling_probs``.
+
+    Raises ``ValueError`` naming the field: ``temperature`` not a finite number ``>= 0``, ``top_p`` outside
+    ``(0, 1]``, ``top_k`` not an integer ``>= 0``.
+    """
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        t, p, k = self.temperature, self.top_p, self.top_k
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature: must be a finite number >= 0 (0 = greedy), got {t!r}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1] (1 = off), got {p!r}")
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
+            raise ValueError(f"top_k: must be an integer >= 0 (0 = off), got {k!r}")
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "top_k", int(k))
+
+    @property
+    def greedy(self) -> bool:
+        """True at ``temperature == 0``: decoding takes the greedy path (argmax, no random draw)."""
+        return self.temperature == 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits [N, V]`` (any float dtype and device; any leading shape works) -> ``[N, V]`` float32
+        probabilities on the same device, each row summing to 1: ``softmax(logits / temperature)``
+        restricted to the ``top_k`` highest logits (exactly ``top_k``: ties broken by ``torch.topk``) and then
+        to the nucleus of mass ``top_p``, renormalised. At ``temperature == 0``: the one-hot of the argmax
+        (the limit, what greedy decoding picks). Entries at ``-inf`` logits get probability 0."""
+        scores = logits.float()
+        if self.greedy:
+            return torch.zeros_like(scores).scatter_(-1, scores.argmax(dim=-1, keepdim=True), 1.0)
+        scores = scores / self.temperature
+        vocab = scores.shape[-1]
+        if 0 < self.top_k < vocab:
+            keep = torch.zeros_like(scores, dtype=torch.bool)
+            keep.scatter_(-1, torch.topk(scores, self.top_k, dim=-1).indices, True)
+            scores = scores.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if self.top_p < 1.0:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            sorted_probs = sorted_probs * ((sorted_probs.cumsum(dim=-1) - sorted_probs) < self.top_p)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+            probs = probs / probs.sum(dim=-1, keepdim=True)
+        return probs
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One id drawn from ``probs [V]`` (non-negative, positive sum; moved to the CPU as float32) with
+    ``torch.multinomial`` and ``generator`` (a CPU generator; None: torch's global CPU generator)."""
+    return int(torch.multinomial(probs.detach().float().cpu(), 1, generator=generator))
+
+
+class SamplePicker:
+    """The ``pick`` callback of a sampling proposer: ``pick(logits [V]) -> int`` draws a token from
+    ``params.probs(logits)`` and records the row; ``tokens`` are the drawn ids, ``q()`` the rows ``[n, V]``
+    float32 on the CPU (``[0, vocab_size]`` when nothing was drawn).
+
+    A drafting loop calls it once per slot, in order; when a slot's logits depend on the earlier slots'
+    choices (a chain, a candidate selector), the loop computes them after the earlier ``pick`` returned,
+    so each recorded row is the distribution of its draft given the drafts before it, which is the ``q``
+    speculative sampling needs. A proposer whose slot offers only some ids (EAGLE-3's draft vocabulary,
+    ``K`` candidates) passes ``-inf`` elsewhere: ``q`` is 0 there.
+    """
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator | None, vocab_size: int):
+        self.params, self.generator, self.vocab_size = params, generator, int(vocab_size)
+        self.tokens: list[int] = []
+        self._rows: list[torch.Tensor] = []
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        q = self.params.probs(logits.reshape(1, -1))[0].cpu()
+        token = draw(q, self.generator)
+        self.tokens.append(token)
+        self._rows.append(q)
+        return token
+
+    def q(self) -> torch.Tensor:
+        if not self._rows:
+            return torch.zeros(0, self.vocab_size, dtype=torch.float32)
+        return torch.stack(self._rows)
+
+
+def rejection_sample(drafts: Sequence[int], q: torch.Tensor, p: torch.Tensor,
+                     generator: torch.Generator | None) -> tuple[int, int]:
+    """The speculative sampling rule of one verify step: ``(a, token)``, ``a`` the accepted drafts, ``token``
+    the one the step adds after them.
+
+    ``drafts``: ``n`` ids; ``q [n, V]``: the distribution each draft was drawn from (given the drafts before
+    it); ``p [n+1, V]``: the target's distributions after the anchor and after each draft (float32, CPU).
+    Draft ``i`` is accepted with probability ``min(1, p_i(d_i) / q_i(d_i))`` (``u * q < p``, ``u ~ U[0, 1)``,
+    all ``n`` uniforms drawn at once), up to the first rejection; there ``token`` is drawn from
+    ``normalise(max(0, p_a - q_a))`` (from ``p_a`` when that is all zero, which exact arithmetic never
+    reaches), and when all ``n`` are accepted from ``p_n`` (the bonus). Every emitted token is then
+    distributed as under ``p`` alone. Source: Leviathan et al. 2023, "Fast Inference from Transformers via
+    Speculative Decoding" (Algorithm 1); Chen et al. 2023, "Accelerating Large Language Model Decoding with
+    Speculative Sampling"; z-lab/dflash ``dflash/model.py`` ``_rejection_sample`` (read, not copied).
+    """
+    n = len(drafts)
+    a = 0
+    if n:
+        idx = torch.as_tensor(list(drafts), dtype=torch.long)
+        rows = torch.arange(n)
+        p_d, q_d = p[rows, idx], q[rows, idx]
+        ok = torch.rand(n, generator=generator) * q_d < p_d
+        a = int(ok.to(torch.int64).cumprod(0).sum())
+    if a == n:
+        return a, draw(p[n], generator)
+    residual = (p[a] - q[a]).clamp_min(0)
+    total = float(residual.sum())
+    return a, draw(residual / total if total > 0 else p[a], generator)
 
 
 # ---------------------------------------------------------------------------------------------- proposers
@@ -101,12 +249,9 @@ class DFlashProposer(FeatureProposer):
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
-    @torch.no_grad()
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Greedy drafts (argmax of block rows ``1..k``) after the anchor ``tokens[-1]``."""
-        k = min(int(k), self.block_size - 1)
-        if k <= 0:
-            return []
+    def _block_logits(self, tokens: list[int], k: int) -> torch.Tensor:
+        """Feed the queued context and draft one block of ``k + 1`` after the anchor ``tokens[-1]``: the
+        drafter's ``[k, V]`` float32 logits of block rows ``1..k`` (``k >= 1``)."""
         dev = self.drafter.fc.weight.device
         if self._pending:
             feats = torch.cat([f for f, _ in self._pending]).to(dev)
@@ -117,7 +262,28 @@ class DFlashProposer(FeatureProposer):
         logits, self.cache = self.drafter.draft_block(feats, pos, int(tokens[-1]), len(tokens) - 1,
                                                       self.cache, block_size=k + 1)
         self._pending = []
-        return logits[1:].argmax(dim=-1).tolist()
+        return logits[1:]
+
+    @torch.no_grad()
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Greedy drafts (argmax of block rows ``1..k``) after the anchor ``tokens[-1]``."""
+        k = min(int(k), self.block_size - 1)
+        if k <= 0:
+            return []
+        return self._block_logits(tokens, k).argmax(dim=-1).tolist()
+
+    @torch.no_grad()
+    def propose_sample(self, tokens: list[int], k: int, params: "SamplingParams",
+                       generator: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+        """Sampled drafts after the anchor ``tokens[-1]``: the block's slots are parallel (each row sees the
+        anchor and mask tokens only), so slot ``j`` is drawn from ``params.probs(logits row j)`` whatever
+        the earlier slots drew. Returns ``(drafts, q [len(drafts), V] float32 on the CPU)``."""
+        k = min(int(k), self.block_size - 1)
+        pick = SamplePicker(params, generator, self.drafter.config.vocab_size)
+        if k > 0:
+            for row in self._block_logits(tokens, k):
+                pick(row)
+        return pick.tokens, pick.q()
 
 
 class Eagle3Proposer(FeatureProposer):
@@ -153,6 +319,66 @@ class Eagle3Proposer(FeatureProposer):
         self.cache, out = eagle3_extend(self.drafter, self.cache, feats, nxt, pos)
         drafts, _ = eagle3_chain(self.drafter, self.cache, out[-1], int(pos[-1]), k)
         return drafts
+
+    @torch.no_grad()
+    def propose_sample(self, tokens: list[int], k: int, params: "SamplingParams",
+                       generator: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+        """Up to ``k`` sampled chain drafts: step ``j`` draws from ``params.probs`` of its draft-vocabulary
+        logits mapped to target ids (``-inf``, so probability 0, outside the draft vocabulary), and the drawn
+        token feeds step ``j + 1`` (``eagle3_chain_pick``). Returns ``(drafts, q [len(drafts), V] float32 on
+        the CPU)``, row ``j`` the distribution draft ``j`` was drawn from given drafts ``0..j-1``."""
+        from specring.shared.models.eagle3 import eagle3_extend
+        k = min(int(k), self.num_draft_tokens)
+        pick = SamplePicker(params, generator, self.drafter.config.vocab_size)
+        if k <= 0 or not self._pending:
+            return pick.tokens, pick.q()
+        feats = torch.cat([f for f, _ in self._pending])
+        pos = torch.cat([p for _, p in self._pending]).long()
+        self._pending = []
+        nxt = torch.tensor([tokens[int(i) + 1] for i in pos.tolist()], dtype=torch.long)
+        self.cache, out = eagle3_extend(self.drafter, self.cache, feats, nxt, pos)
+        eagle3_chain_pick(self.drafter, self.cache, out[-1], int(pos[-1]), k, pick)
+        return pick.tokens, pick.q()
+
+
+@torch.no_grad()
+def eagle3_chain_pick(drafter: Eagle3Drafter, cache, h_last: torch.Tensor, position: int, k: int,
+                      pick: Callable[[torch.Tensor], int]) -> list[int]:
+    """``shared.models.eagle3.eagle3_chain`` with the choice of each token left to ``pick``.
+
+    The same chain (``h_last [H]`` of the last context position ``position`` first, step ``j`` at position
+    ``position + j`` attending to ``cache`` and to the chain's own keys), but each step's token is
+    ``pick(logits [V] float32)``, the step's draft-vocabulary logits placed at their target ids (``d2t``) and
+    ``-inf`` at every other id; ``pick`` returns a target id, which feeds the next step. With an argmax
+    ``pick`` the tokens equal ``eagle3_chain``'s (greedy drafting keeps using that one). Returns the ``k``
+    tokens.
+    """
+    from specring.shared.models.eagle3 import draft_to_target, eagle3_attention
+    dev = drafter.fc.weight.device
+    d2t_full = draft_to_target(drafter.d2t)
+    vocab = int(drafter.config.vocab_size)
+
+    def choose(h: torch.Tensor) -> int:
+        draft_logits = drafter.logits(h)[0].float()
+        full = torch.full((vocab,), float("-inf"), dtype=torch.float32, device=draft_logits.device)
+        full[d2t_full.to(draft_logits.device)] = draft_logits
+        return int(pick(full))
+
+    h = h_last[None]
+    token = choose(h)
+    out = [token]
+    dk: list[torch.Tensor] = []
+    dv: list[torch.Tensor] = []
+    full_mask = torch.ones(1, cache.length, dtype=torch.bool, device=dev)
+    for j in range(1, k):
+        cos, sin = drafter.rope(torch.tensor([position + j], device=dev))
+        q, kk, vv = drafter.midlayer.qkv(drafter.embed(torch.tensor([token], device=dev)), h, cos, sin)
+        dk.append(kk)
+        dv.append(vv)
+        h = drafter.midlayer.finish(h, eagle3_attention(q, cache.keys, cache.values, full_mask, dk, dv))
+        token = choose(h)
+        out.append(token)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- decoding
@@ -255,15 +481,64 @@ def _check_args(prompt_ids: Sequence[int], max_new_tokens: int) -> None:
 
 
 @torch.no_grad()
+def sample_generate(target, prompt_ids: Sequence[int], max_new_tokens: int, params: SamplingParams,
+                    generator: torch.Generator | None = None,
+                    stop_token_ids: Sequence[int] = ()) -> DecodeResult:
+    """Plain autoregressive sampling with a KV cache, one token per forward: each token drawn (``draw``,
+    with ``generator``; None: torch's global CPU generator) from ``params.probs`` of the target's logits.
+    The reference distribution of speculative sampling. ``params.temperature == 0`` is
+    ``greedy_generate``. Stops as ``greedy_generate`` does; raises ``ValueError`` for an empty prompt or
+    ``max_new_tokens < 1``."""
+    if params.greedy:
+        return greedy_generate(target, prompt_ids, max_new_tokens, stop_token_ids)
+    _check_args(prompt_ids, max_new_tokens)
+    t0 = time.perf_counter()
+    cache = _new_cache(target)
+    stop = set(int(t) for t in stop_token_ids)
+    logits, _ = _forward(target, prompt_ids, 0, cache, None, last_only=True)
+    tokens = [draw(params.probs(logits[-1:])[0], generator)]
+    while len(tokens) < max_new_tokens and tokens[-1] not in stop:
+        logits, _ = _forward(target, tokens[-1:], len(prompt_ids) + len(tokens) - 1, cache, None)
+        tokens.append(draw(params.probs(logits[-1:])[0], generator))
+    return DecodeResult(prompt_len=len(prompt_ids), tokens=tokens, accept_lengths=[1] * (len(tokens) - 1),
+                        drafted=[0] * (len(tokens) - 1), target_forwards=len(tokens),
+                        wall_s=time.perf_counter() - t0, stopped=tokens[-1] in stop)
+
+
+def _sampled_drafts(proposer, seq: list[int], k: int, params: SamplingParams,
+                    generator: torch.Generator | None) -> tuple[list[int], torch.Tensor]:
+    """``proposer.propose_sample`` cut to ``k`` drafts, ``q`` as float32 on the CPU; ``ValueError`` naming the
+    proposer when ``q`` is not ``[len(drafts), V]``-shaped (``V`` checked against the target later)."""
+    if not hasattr(proposer, "propose_sample"):
+        raise ValueError(f"proposer {proposer.name!r} has no propose_sample: it cannot draft at temperature > 0")
+    draft, q = proposer.propose_sample(seq, k, params, generator)
+    draft = [int(t) for t in draft][:k]
+    q = torch.as_tensor(q).float().cpu()
+    if q.dim() != 2 or q.shape[0] < len(draft):
+        raise ValueError(f"proposer {proposer.name!r}: q has shape {tuple(q.shape)}, expected "
+                         f"[{len(draft)}, V] for {len(draft)} drafts")
+    return draft, q[:len(draft)]
+
+
+@torch.no_grad()
 def speculative_generate(target, proposer, prompt_ids: Sequence[int], max_new_tokens: int, block_size: int,
                          layer_ids: Sequence[int] | None = None,
-                         stop_token_ids: Sequence[int] = ()) -> DecodeResult:
-    """Greedy block-verify speculative decoding (see the module docstring for the loop and its source).
+                         stop_token_ids: Sequence[int] = (), sampling: SamplingParams | None = None,
+                         generator: torch.Generator | None = None) -> DecodeResult:
+    """Block-verify speculative decoding, greedy or sampled (see the module docstring for the loop and its
+    source).
 
     ``target``: Hugging Face causal LM in eval mode (batch 1); ``proposer``: see the module docstring;
     ``block_size``: ``B`` (at most ``B - 1`` drafts per step); ``layer_ids``: the captured target layers
-    (DFlash convention, needed when ``proposer.needs_features``). The output equals
-    ``greedy_generate(target, prompt_ids, max_new_tokens, stop_token_ids).tokens``.
+    (DFlash convention, needed when ``proposer.needs_features``).
+
+    ``sampling`` None or at temperature 0: greedy, and the output equals
+    ``greedy_generate(target, prompt_ids, max_new_tokens, stop_token_ids).tokens``. At temperature > 0:
+    speculative sampling (``rejection_sample``) with ``proposer.propose_sample``; every random draw uses
+    ``generator`` (a CPU ``torch.Generator``; None: torch's global CPU generator), so a seeded generator
+    reproduces the run, and the output is distributed as ``sample_generate``'s. Raises ``ValueError`` for
+    bad arguments, a proposer without ``propose_sample`` at temperature > 0, or a ``q`` whose vocabulary
+    differs from the target's logits.
     """
     from specring.shared.models.target import LayerCapture
 
@@ -272,6 +547,7 @@ def speculative_generate(target, proposer, prompt_ids: Sequence[int], max_new_to
         raise ValueError(f"block_size: must be >= 1, got {block_size}")
     if proposer.needs_features and not layer_ids:
         raise ValueError(f"layer_ids: proposer {proposer.name!r} needs target features; no layer ids given")
+    sampled = sampling is not None and not sampling.greedy
     t0 = time.perf_counter()
     stop = set(int(t) for t in stop_token_ids)
     cache = _new_cache(target)
@@ -284,20 +560,31 @@ def speculative_generate(target, proposer, prompt_ids: Sequence[int], max_new_to
         proposer.reset(prompt)
         if feats is not None:
             proposer.add_context(feats, torch.arange(len(prompt)))
-        seq = prompt + [int(logits[-1].argmax())]
+        first = draw(sampling.probs(logits[-1:])[0], generator) if sampled else int(logits[-1].argmax())
+        seq = prompt + [first]
         res.tokens.append(seq[-1])
         res.stopped = seq[-1] in stop
         k = block_size - 1
         while not res.stopped and len(res.tokens) <= max_new_tokens:  # the reference's start < max_length
-            draft = [int(t) for t in proposer.propose(seq, k)][:k]
+            if sampled:
+                draft, q = _sampled_drafts(proposer, seq, k, sampling, generator)
+            else:
+                draft = [int(t) for t in proposer.propose(seq, k)][:k]
             anchor_pos = len(seq) - 1
             logits, feats = _forward(target, [seq[-1]] + draft, anchor_pos, cache, capture)
             res.target_forwards += 1
-            greedy = logits.argmax(dim=-1).tolist()
-            a = 0
-            while a < len(draft) and draft[a] == greedy[a]:
-                a += 1
-            new, res.stopped = _cut_at_stop(draft[:a] + [greedy[a]], stop)
+            if sampled:
+                if draft and q.shape[1] != logits.shape[-1]:
+                    raise ValueError(f"proposer {proposer.name!r}: q covers {q.shape[1]} ids, the target's "
+                                     f"logits {logits.shape[-1]}")
+                a, bonus = rejection_sample(draft, q, sampling.probs(logits).cpu(), generator)
+            else:
+                greedy = logits.argmax(dim=-1).tolist()
+                a = 0
+                while a < len(draft) and draft[a] == greedy[a]:
+                    a += 1
+                bonus = greedy[a]
+            new, res.stopped = _cut_at_stop(draft[:a] + [bonus], stop)
             produced = len(new)
             crop_cache(cache, anchor_pos + produced)  # keep the anchor and the accepted drafts
             if feats is not None:
@@ -342,7 +629,8 @@ def summarize(results: list[DecodeResult], block_size: int) -> dict[str, Any]:
 def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens: int,
                  layer_ids: Sequence[int] | None, *, block_size: int | None = None,
                  stop_token_ids: Sequence[int] = (), check_lossless: bool = False,
-                 on_prompt: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                 on_prompt: Callable[[int, int], None] | None = None, sampling: SamplingParams | None = None,
+                 seed: int = 0) -> dict[str, Any]:
     """τ of ``drafter`` on ``prompts`` against an already-loaded target (for the trainer's checkpoints).
 
     ``target_model``: HF ``AutoModelForCausalLM`` in eval mode; ``drafter``: a live ``DFlashDrafter`` or
@@ -351,8 +639,15 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
     ``PromptLookupProposer()``); ``layer_ids``: the target layers the drafter was trained on (must equal
     ``drafter.config.target_layer_ids``: ``ValueError`` otherwise). ``block_size`` defaults to the
     drafter's (16 for a proposer). With ``check_lossless`` also decodes greedily and adds
-    ``lossless_mismatches`` (prompts whose outputs differ; must be 0). ``on_prompt(done, total)`` is
-    called after each prompt (the consumer sends a heartbeat from it). Returns ``summarize``'s dict.
+    ``lossless_mismatches`` (prompts whose outputs differ; must be 0) and ``greedy_tokens_per_s``.
+    ``on_prompt(done, total)`` is called after each prompt (the consumer sends a heartbeat from it).
+
+    ``sampling`` (None: greedy) at temperature > 0 decodes by speculative sampling, every draw from one CPU
+    generator seeded with ``seed`` for the whole call; a ``PromptLookupProposer`` without ``vocab_size`` is
+    then used as a copy sized to the target's logits. Token equality with greedy decoding does not apply
+    there: with ``check_lossless`` the greedy decode still runs (``greedy_tokens_per_s``) and
+    ``lossless_mismatches`` is None. Returns ``summarize``'s dict, plus, when sampled, ``sampling`` (the
+    parameters, ``SamplingParams.to_dict``) and ``sampling_seed``.
     """
     if isinstance(drafter, (DFlashDrafter, Eagle3Drafter)):
         if layer_ids is not None and list(layer_ids) != list(drafter.config.target_layer_ids):
@@ -367,6 +662,10 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
             proposer = Eagle3Proposer(drafter, bsz - 1)
     else:
         proposer, bsz = drafter, int(block_size or 16)
+    sampled = sampling is not None and not sampling.greedy
+    if sampled:
+        proposer = with_vocab_size(proposer, target_vocab_size(target_model))
+    generator = torch.Generator().manual_seed(int(seed)) if sampled else None
     was_training = getattr(drafter, "training", False)
     if isinstance(drafter, torch.nn.Module):
         drafter.eval()
@@ -374,18 +673,42 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
         results = []
         for p in prompts:
             results.append(speculative_generate(target_model, proposer, p, max_new_tokens, bsz, layer_ids,
-                                                stop_token_ids))
+                                                stop_token_ids, sampling=sampling if sampled else None,
+                                                generator=generator))
             if on_prompt is not None:
                 on_prompt(len(results), len(prompts))
         out = summarize(results, bsz)
+        if sampled:
+            out["sampling"] = sampling.to_dict()
+            out["sampling_seed"] = int(seed)
         if check_lossless:
             ref = [greedy_generate(target_model, p, max_new_tokens, stop_token_ids) for p in prompts]
-            out["lossless_mismatches"] = sum(r.tokens != g.tokens for r, g in zip(results, ref))
+            out["lossless_mismatches"] = (None if sampled else
+                                          sum(r.tokens != g.tokens for r, g in zip(results, ref)))
             out["greedy_tokens_per_s"] = summarize(ref, bsz)["tokens_per_s"]
     finally:
         if isinstance(drafter, torch.nn.Module):
             drafter.train(was_training)
     return out
+
+
+def target_vocab_size(target) -> int:
+    """The width ``V`` of the target's logits: its output embedding's rows (``config.vocab_size`` when it
+    has none)."""
+    head = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        return int(head.weight.shape[0])
+    return int(target.config.vocab_size)
+
+
+def with_vocab_size(proposer, vocab_size: int):
+    """``proposer``, or, for a ``PromptLookupProposer`` built without ``vocab_size``, a copy of it with
+    ``vocab_size`` set (its one-hot ``q`` needs the width); the given object is left as it is."""
+    from specring.shared.models.ngram import PromptLookupProposer
+    if isinstance(proposer, PromptLookupProposer) and proposer.vocab_size is None:
+        proposer = copy.copy(proposer)
+        proposer.vocab_size = int(vocab_size)
+    return proposer
 
 
 def load_prompts(path: str | Path, num_prompts: int, prompt_len: int) -> list[list[int]]:
