@@ -15,8 +15,11 @@ What the drafter computes:
   every draft layer.
 * KV injection: in every draft layer the keys and values are that layer's own ``k_proj``/``v_proj`` over
   ``[ctx ; draft tokens]`` (``k_norm`` on both); queries come only from the draft tokens. RoPE uses the
-  true positions of the context tokens and of the draft tokens. Attention inside a block is bidirectional;
-  which context a draft token sees is decided by the caller's mask (``consumer/blocks.py``).
+  true positions of the context tokens and of the draft tokens. Attention inside a block is bidirectional
+  (causal with ``is_causal``); which context a draft token sees is decided by the caller's mask
+  (``shared/models/draft_attention.py``), per layer type: a ``"sliding_attention"`` layer sees only context
+  within ``sliding_window`` positions of the draft token (``DFlashConfig``; ``layer_masks`` builds one mask
+  per layer type and ``forward`` hands each layer its own).
 * The embedding and the LM head are the target's own tensors, frozen (``requires_grad=False``), kept in
   the checkpoint's dtype, loaded by ``load_target_head`` from the target's safetensors shards without
   loading the rest of the target. Tied embeddings share one tensor. The forward refuses to run before they
@@ -28,8 +31,6 @@ context tokens, ``H`` hidden size, ``V`` vocabulary.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,12 +40,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specring.shared.models.building_blocks import (
+    DraftConfigDict,
+    RMSNorm,
+    SwiGLUMLP,
+    apply_rope,
+    read_target_head,
+    rope_cos_sin,
+    rope_theta_from_config,
+)
 from specring.shared.models.draft_attention import (
     FlexMask,
     block_attention,
     flex_attention_fn,
 )
-from specring.shared.models.target import resolve_layer_ids
+from specring.shared.models.layer_ids import resolve_layer_ids
 from specring.shared.models.target_config import read_target_config, text_config
 
 logger = logging.getLogger(__name__)
@@ -57,23 +67,6 @@ HEAD_KEY = "lm_head.weight"
 
 
 FROZEN_KEYS = (EMBED_KEY, HEAD_KEY)
-
-
-def _rope_theta(cfg: dict) -> float:
-    """``rope_theta`` from a transformers 4 (plain key) or 5 (``rope_parameters``) config."""
-    if "rope_theta" in cfg:
-        return float(cfg["rope_theta"])
-    params = cfg.get("rope_parameters") or {}
-    if "rope_theta" in params:
-        rtype = params.get("rope_type", "default")
-        if rtype not in ("default", None):
-            logger.warning("rope_type=%s of the target is not reproduced by the drafter (plain RoPE used)", rtype)
-        return float(params["rope_theta"])
-    for sub in params.values():  # per-layer-type form: {"full_attention": {"rope_theta": ...}}
-        if isinstance(sub, dict) and "rope_theta" in sub:
-            return float(sub["rope_theta"])
-    logger.warning("target config has no rope_theta; using 10000")
-    return 10000.0
 
 
 def resolve_mask_token_id(target_dir: str | Path, trust_remote_code: bool = False) -> int:
@@ -94,20 +87,13 @@ def resolve_mask_token_id(target_dir: str | Path, trust_remote_code: bool = Fals
     raise ValueError(f"mask_token_id: the tokenizer in {target_dir} has neither a mask nor a pad token; set it")
 
 
-class DraftConfigDict:
-    """``to_dict``/``from_dict`` of a drafter's config dataclass (the checkpoint's ``*_config.json``):
-    ``from_dict`` raises ``ValueError`` naming keys the dataclass does not have."""
+FULL_ATTENTION = "full_attention"
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]):
-        known = {f.name for f in dataclasses.fields(cls)}
-        bad = set(d) - known
-        if bad:
-            raise ValueError(f"unknown {cls.__name__} key(s) {sorted(bad)}")
-        return cls(**d)
+SLIDING_ATTENTION = "sliding_attention"
+
+
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
 @dataclass
@@ -117,6 +103,18 @@ class DFlashConfig(DraftConfigDict):
     ``num_hidden_layers`` is the number of *draft* layers; ``num_target_layers`` (``n``) the number of
     captured target layers, ``len(target_layer_ids)``. ``target_layer_ids`` follow the DFlash convention
     (id ``i`` = output of target decoder layer ``i``).
+
+    Attention variants (z-lab/dflash ``dflash/model.py`` ``Qwen3DFlashAttention``, commit
+    10129599dffb338ff38cfd235a53ca6d3667b4dd, read, not copied; the defaults are the plain DFlash pattern):
+
+    * ``layer_types``: one of ``"full_attention"``/``"sliding_attention"`` per draft layer (None: all full).
+    * ``sliding_window`` ``W``: a sliding layer's draft token at sequence position ``P`` sees a context token at
+      ``c`` only if ``P - c < W`` (besides ``c < anchor``). Must be ``>= block_size`` when a layer slides:
+      the reference also windows keys inside the block, which removes nothing exactly when ``W >= B``.
+    * ``is_causal``: inside a block slot ``j`` sees slots ``<= j`` only (every layer). The reference's
+      ``None`` (causal exactly in the sliding layers) is not accepted: give a bool.
+
+    Raises ``ValueError`` naming the field.
     """
     hidden_size: int
     intermediate_size: int
@@ -135,6 +133,9 @@ class DFlashConfig(DraftConfigDict):
     target_model_type: str = "qwen3"
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
+    is_causal: bool = False
 
     def __post_init__(self):
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -150,19 +151,56 @@ class DFlashConfig(DraftConfigDict):
             raise ValueError(f"block_size: must be >= 2, got {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id: {self.mask_token_id} outside the vocabulary 0..{self.vocab_size - 1}")
+        if self.layer_types is not None:
+            if isinstance(self.layer_types, str) or not all(isinstance(t, str) for t in self.layer_types):
+                raise ValueError(f"layer_types: must be a list of strings, got {self.layer_types!r}")
+            self.layer_types = list(self.layer_types)
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types: {len(self.layer_types)} entries for num_hidden_layers "
+                                 f"{self.num_hidden_layers}")
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"layer_types: unknown layer type(s) {bad} (known: {list(LAYER_TYPES)})")
+        if self.sliding_window is not None:
+            w = self.sliding_window
+            if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+                raise ValueError(f"sliding_window: must be None or an integer >= 1, got {w!r}")
+        if SLIDING_ATTENTION in self.resolved_layer_types():
+            if self.sliding_window is None:
+                raise ValueError("sliding_window: required (an integer >= 1) when a layer is sliding_attention")
+            if self.sliding_window < self.block_size:
+                raise ValueError(f"sliding_window: {self.sliding_window} < block_size {self.block_size} (the "
+                                 "in-block window of the reference is not reproduced; use W >= B)")
+        if not isinstance(self.is_causal, bool):
+            raise ValueError(f"is_causal: must be a bool, got {self.is_causal!r}")
 
+    # ------------------------------------------------------------------ attention variants
+    def resolved_layer_types(self) -> list[str]:
+        """The type of every draft layer (``layer_types``, or all ``"full_attention"``)."""
+        return list(self.layer_types) if self.layer_types is not None else [FULL_ATTENTION] * self.num_hidden_layers
+
+    def layer_window(self, layer_type: str) -> int | None:
+        """The context window of a layer type: ``sliding_window`` for ``"sliding_attention"``, else None."""
+        return self.sliding_window if layer_type == SLIDING_ATTENTION else None
+
+    def attention_variants(self) -> dict[str, dict]:
+        """``{layer_type: {"window": W or None, "causal": is_causal}}`` for the layer types this drafter has,
+        in first-use order: the mask-builder keywords of each (``layer_masks``)."""
+        return {t: {"window": self.layer_window(t), "causal": self.is_causal}
+                for t in dict.fromkeys(self.resolved_layer_types())}
+
+    @property
+    def plain_attention(self) -> bool:
+        """True when every layer is full attention and not causal: one mask serves every layer (today's form)."""
+        return not self.is_causal and all(t == FULL_ATTENTION for t in self.resolved_layer_types())
+
+    # ------------------------------------------------------------------ construction
     @classmethod
-    def from_target(cls, target_dir: str | Path, target_layer_ids: list[int] | None, block_size: int = 16,
-                    mask_token_id: int | None = None, num_draft_layers: int | None = None,
-                    num_target_layers: int = 5, trust_remote_code: bool = False) -> "DFlashConfig":
-        """Size a drafter like the target in ``target_dir`` (its ``config.json``).
-
-        ``target_layer_ids=None`` -> ``default_target_layer_ids(L, num_target_layers)`` (the producer's
-        ``producers.target`` definitions, so both sides pick and validate the same layers).
-        ``num_draft_layers=None`` -> one draft layer per captured layer. ``mask_token_id=None`` ->
-        ``resolve_mask_token_id(target_dir, trust_remote_code)``. Raises ``ConfigError`` (a ``ValueError``) for
-        layer ids outside the target or repeated.
-        """
+    def _target_fields(cls, target_dir: str | Path, target_layer_ids: list[int] | None, block_size: int,
+                       mask_token_id: int | None, num_draft_layers: int | None, num_target_layers: int,
+                       trust_remote_code: bool, sliding_window: int | None, layer_types: str | list[str] | None,
+                       is_causal: bool) -> dict:
+        """The constructor keywords of ``from_target`` (shared with ``DFlash2Config.from_target``)."""
         raw = read_target_config(target_dir)
         cfg = text_config(raw)
         num_layers = int(cfg["num_hidden_layers"])
@@ -171,15 +209,18 @@ class DFlashConfig(DraftConfigDict):
             mask_token_id = resolve_mask_token_id(target_dir, trust_remote_code)
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        return cls(
+        num_hidden_layers = int(num_draft_layers or len(target_layer_ids))
+        if isinstance(layer_types, str):
+            layer_types = [layer_types] * num_hidden_layers
+        return dict(
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(num_draft_layers or len(target_layer_ids)),
+            num_hidden_layers=num_hidden_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(cfg),
+            rope_theta=rope_theta_from_config(cfg),
             vocab_size=int(cfg["vocab_size"]),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
             target_layer_ids=list(target_layer_ids),
@@ -189,44 +230,47 @@ class DFlashConfig(DraftConfigDict):
             target_model_type=str(cfg.get("model_type", raw.get("model_type", "qwen3"))),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
             initializer_range=float(cfg.get("initializer_range", 0.02)),
+            layer_types=None if layer_types is None else list(layer_types),
+            sliding_window=None if sliding_window is None else sliding_window,
+            is_causal=is_causal,
         )
 
+    @classmethod
+    def from_target(cls, target_dir: str | Path, target_layer_ids: list[int] | None, block_size: int = 16,
+                    mask_token_id: int | None = None, num_draft_layers: int | None = None,
+                    num_target_layers: int = 5, trust_remote_code: bool = False,
+                    sliding_window: int | None = None, layer_types: str | list[str] | None = None,
+                    is_causal: bool = False) -> "DFlashConfig":
+        """Size a drafter like the target in ``target_dir`` (its ``config.json``).
 
-class RMSNorm(nn.Module):
-    """Qwen3 RMSNorm: ``weight * (x / rms(x))``, the normalisation computed in float32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Default RoPE tables for ``positions [N] long`` -> ``(cos, sin)``, each ``[N, head_dim]`` float32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
+        ``target_layer_ids=None`` -> ``default_target_layer_ids(L, num_target_layers)`` (the producer's
+        ``producers.target`` definitions, so both sides pick and validate the same layers).
+        ``num_draft_layers=None`` -> one draft layer per captured layer. ``mask_token_id=None`` ->
+        ``resolve_mask_token_id(target_dir, trust_remote_code)``. ``layer_types``: a list (one per draft layer),
+        one string for every layer, or None (all full attention); ``sliding_window``, ``is_causal``: see the
+        class. Raises ``ConfigError`` (a ``ValueError``) for layer ids outside the target or repeated, and
+        ``ValueError`` naming the field for a bad attention variant.
+        """
+        return cls(**cls._target_fields(target_dir, target_layer_ids, block_size, mask_token_id, num_draft_layers,
+                                        num_target_layers, trust_remote_code, sliding_window, layer_types, is_causal))
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [heads, N, D]`` by ``cos/sin [N, D]`` (rotate-half convention of Llama/Qwen)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x * cos.to(x.dtype) + rotated * sin.to(x.dtype))
+def layer_masks(cfg: DFlashConfig, builder, *args, **kwargs) -> dict[str, Any]:
+    """One attention mask per layer type of ``cfg``: ``{layer_type: builder(*args, **kwargs, window=W,
+    causal=is_causal)}`` (``cfg.attention_variants()``), ``builder`` one of ``shared.models.draft_attention``'s
+    ``build_attention_mask`` / ``build_context_mask`` / ``build_flex_mask``. This dict is what
+    ``DFlashDrafter.forward`` takes as ``attn_mask`` for every config (a single mask is accepted only when
+    ``cfg.plain_attention``). Example (trainer): ``layer_masks(dcfg, build_flex_mask, bb.anchors, bb.seq_start,
+    ctx_len, B)``."""
+    return {t: builder(*args, **kwargs, **v) for t, v in cfg.attention_variants().items()}
 
 
 class DFlashAttention(nn.Module):
     """Attention whose keys/values cover ``[context ; draft tokens]`` and whose queries are the draft tokens."""
 
-    def __init__(self, cfg: DFlashConfig):
+    def __init__(self, cfg: DFlashConfig, is_causal: bool = False):
         super().__init__()
+        self.is_causal = bool(is_causal)  # structured form: causal inside the block (dense/flex: in the mask)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -251,9 +295,10 @@ class DFlashAttention(nn.Module):
         ``cos/sin [Q, D]`` of the draft positions. Dense form (``block_size=None``): ``attn_mask [Q, C+Q]
         bool`` (True = may attend) or None (everything visible). Structured form (``block_size=B``):
         ``attn_mask [Q, C]`` is the context mask and each run of ``B`` draft tokens sees exactly itself
-        (``block_attention``). Flex form (``attn_mask`` a ``consumer.blocks.FlexMask``): ``x`` and the context
-        are already padded to the mask's ``q_len``/``ctx_len`` and ``flex_attention`` runs the block-sparse
-        pattern (compiled on CUDA). Returns ``[Q, H]``."""
+        (``block_attention``; causal inside the block when the layer ``is_causal``). Flex form (``attn_mask``
+        a ``shared.models.draft_attention.FlexMask``): ``x`` and the context are already padded to the mask's
+        ``q_len``/``ctx_len`` and ``flex_attention`` runs the block-sparse pattern (compiled on CUDA).
+        Returns ``[Q, H]``."""
         q_len = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(q_len, self.num_heads, self.head_dim)).transpose(0, 1)
         q = apply_rope(q, cos, sin)
@@ -267,7 +312,7 @@ class DFlashAttention(nn.Module):
             return self.o_proj(out.transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim))
         if block_size is not None:
             out = block_attention(q, ctx_kv[0].to(k_blk.dtype), ctx_kv[1].to(v_blk.dtype), k_blk, v_blk,
-                                  attn_mask, block_size)
+                                  attn_mask, block_size, causal=self.is_causal)
             return self.o_proj(out.transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim))
         k = torch.cat([ctx_kv[0].to(k_blk.dtype), k_blk], dim=1)
         v = torch.cat([ctx_kv[1].to(v_blk.dtype), v_blk], dim=1)
@@ -280,31 +325,23 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out[0].transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim))
 
 
-class SwiGLUMLP(nn.Module):
-    """SwiGLU MLP of the Llama/Qwen decoder layer: ``down(silu(gate(x)) * up(x))``, ``[..., hidden_size]`` in and
-    out, no biases (the DFlash and EAGLE-3 drafters both use it; weight names as transformers' ``mlp.*``)."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashDecoderLayer(nn.Module):
-    """Pre-norm decoder layer: ``x + attn(ln(x), ctx)`` then ``x + mlp(ln(x))``."""
+    """Pre-norm decoder layer: ``x + attn(ln(x), ctx)`` then ``x + mlp(ln(x))``.
 
-    def __init__(self, cfg: DFlashConfig):
+    ``layer_type`` (``"full_attention"``/``"sliding_attention"``) names which of the per-type masks the
+    drafter hands this layer; ``is_causal`` makes the structured form causal inside the block. Neither
+    changes the weights. ``draft_block_size`` (the length of each block of the packed draft stream) is not
+    used here; a DFlash2 layer's convolutions need it."""
+
+    def __init__(self, cfg: DFlashConfig, layer_type: str = "full_attention", is_causal: bool = False):
         super().__init__()
-        self.self_attn = DFlashAttention(cfg)
+        self.layer_type = layer_type
+        self.self_attn = DFlashAttention(cfg, is_causal)
         self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, ctx_kv, cos, sin, attn_mask, block_size=None):
+    def forward(self, x, ctx_kv, cos, sin, attn_mask, block_size=None, draft_block_size=None):
         x = x + self.self_attn(self.input_layernorm(x), ctx_kv, cos, sin, attn_mask, block_size)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -340,7 +377,13 @@ class DFlashDrafter(nn.Module):
 
     Trainable parameters: everything except ``embed_tokens.weight`` and ``lm_head.weight`` (frozen, the
     target's; one shared tensor when the target ties them). ``trainable_state_dict()`` is the export set.
+
+    Subclasses (``shared.models.dflash2.DFlash2Drafter``) set ``layer_class`` and add modules in
+    ``_add_modules`` (called before ``reset_parameters``); a module with ``own_init = True`` is left out of
+    the Qwen3 initialisation and initialised by its own ``reset_parameters`` afterwards.
     """
+
+    layer_class = DFlashDecoderLayer
 
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
@@ -348,7 +391,7 @@ class DFlashDrafter(nn.Module):
         h = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_target_layers * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, t, cfg.is_causal) for t in cfg.resolved_layer_types())
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         # Frozen placeholders: replaced by the target's tensors in load_target_head / load_frozen.
         self.embed_tokens = nn.Embedding(cfg.vocab_size, h)
@@ -356,19 +399,29 @@ class DFlashDrafter(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.lm_head.weight.requires_grad_(False)
         self.head_loaded = False
+        self._add_modules()
         self.reset_parameters()
+
+    def _add_modules(self) -> None:
+        """Hook for subclasses: register extra modules (DFlash: none)."""
 
     # ------------------------------------------------------------------ weights
     def reset_parameters(self) -> None:
-        """Trainable linears ~ N(0, initializer_range), norms = 1 (Qwen3 initialisation)."""
+        """Trainable linears ~ N(0, initializer_range), norms = 1 (Qwen3 initialisation); then every module
+        marked ``own_init`` (skipped by that loop, with its children) runs its own ``reset_parameters``."""
         std = self.config.initializer_range
+        own = [(n, m) for n, m in self.named_modules() if n and getattr(m, "own_init", False)]
+        skip = tuple(n + "." for n, _ in own)
+        own_names = {n for n, _ in own}
         for name, module in self.named_modules():
-            if name in ("embed_tokens", "lm_head"):
+            if name in ("embed_tokens", "lm_head") or name in own_names or (skip and name.startswith(skip)):
                 continue
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        for _, module in own:
+            module.reset_parameters()
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:
         """The trainable weights under their export names (no embedding, no LM head)."""
@@ -439,9 +492,30 @@ class DFlashDrafter(nn.Module):
     def _rope(self, positions: torch.Tensor):
         return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
 
+    def _per_layer_masks(self, attn_mask) -> list:
+        """The mask of each layer from ``forward``'s ``attn_mask`` (a per-layer-type dict, or one mask for a
+        ``plain_attention`` config). Raises ``ValueError`` naming ``attn_mask`` otherwise, or when a dict lacks
+        a layer type, or a ``FlexMask`` was built for another window/causality than its layer's."""
+        cfg = self.config
+        types = cfg.resolved_layer_types()
+        if not isinstance(attn_mask, dict):
+            if not cfg.plain_attention:
+                raise ValueError("attn_mask: this drafter has sliding or causal layers (layer_types/sliding_window/"
+                                 "is_causal); pass one mask per layer type, layer_masks(config, builder, ...)")
+            return [attn_mask] * len(types)
+        missing = sorted(set(types) - set(attn_mask))
+        if missing:
+            raise ValueError(f"attn_mask: no mask for layer type(s) {missing} (have {sorted(attn_mask)})")
+        for t in dict.fromkeys(types):
+            m = attn_mask[t]
+            if isinstance(m, FlexMask) and (m.window != cfg.layer_window(t) or m.causal != cfg.is_causal):
+                raise ValueError(f"attn_mask: the {t} FlexMask has window={m.window} causal={m.causal}, the layer "
+                                 f"wants window={cfg.layer_window(t)} causal={cfg.is_causal}")
+        return [attn_mask[t] for t in types]
+
     def forward(self, block_input_ids: torch.Tensor, block_positions: torch.Tensor, ctx_hidden: torch.Tensor,
-                ctx_positions: torch.Tensor, attn_mask: torch.Tensor | None,
-                block_size: int | None = None) -> torch.Tensor:
+                ctx_positions: torch.Tensor, attn_mask, block_size: int | None = None, *,
+                draft_block_size: int | None = None) -> torch.Tensor:
         """Draft-token hidden states.
 
         ``block_input_ids [Q] long`` (anchor then mask tokens per block), ``block_positions [Q] long``
@@ -449,24 +523,35 @@ class DFlashDrafter(nn.Module):
         ``attn_mask [Q, C+Q] bool`` (True = may attend; columns are context then draft tokens) or None;
         or, with ``block_size=B``, the context mask ``[Q, C]`` alone (each block of B draft tokens then
         sees exactly itself; ``block_attention``), which needs ``Q*(C+B)`` scores instead of ``Q*(C+Q)``;
-        or a ``consumer.blocks.FlexMask`` (``build_flex_mask``): block-sparse ``flex_attention``, about
-        ``Q*(context before the anchor + B)`` scores, the training form on CUDA.
+        or a ``shared.models.draft_attention.FlexMask`` (``build_flex_mask``): block-sparse ``flex_attention``,
+        about ``Q*(context before the anchor + B)`` scores, the training form on CUDA.
+
+        Per layer type: ``attn_mask`` may be (and, unless ``config.plain_attention``, must be) a dict
+        ``{layer_type: mask}`` of masks of one form, ``layer_masks(config, builder, ...)``; each layer gets its
+        type's mask. ``draft_block_size``: the length of each block of the packed stream (DFlash2's
+        convolutions; default ``block_size``, else the FlexMask's, else ``config.block_size``).
         Returns ``[Q, H]`` after the final norm; ``logits()`` maps it to the vocabulary.
         """
+        masks = self._per_layer_masks(attn_mask)
+        first = masks[0] if masks else None
+        flex = isinstance(first, FlexMask)
+        if draft_block_size is None:
+            draft_block_size = block_size or (first.block_size if flex and first.block_size else None) \
+                or self.config.block_size
         ctx = self.project_context(ctx_hidden)
-        if isinstance(attn_mask, FlexMask):  # pad queries and context to the mask's tile multiples
-            q_pad, c_pad = attn_mask.q_len - block_input_ids.shape[0], attn_mask.ctx_len - ctx.shape[0]
+        if flex:  # pad queries and context to the mask's tile multiples
+            q_pad, c_pad = first.q_len - block_input_ids.shape[0], first.ctx_len - ctx.shape[0]
             block_input_ids = F.pad(block_input_ids, (0, q_pad), value=self.config.mask_token_id)
             block_positions = F.pad(block_positions, (0, q_pad))
             ctx, ctx_positions = F.pad(ctx, (0, 0, 0, c_pad)), F.pad(ctx_positions, (0, c_pad))
         x = self.embed(block_input_ids)
         cos_q, sin_q = self._rope(block_positions)
         cos_c, sin_c = self._rope(ctx_positions)
-        for layer in self.layers:
+        for layer, mask in zip(self.layers, masks):
             ctx_kv = layer.self_attn.project_kv(ctx, cos_c, sin_c)
-            x = layer(x, ctx_kv, cos_q, sin_q, attn_mask, block_size)
+            x = layer(x, ctx_kv, cos_q, sin_q, mask, block_size, draft_block_size)
         x = self.norm(x)
-        return x[:attn_mask.num_queries] if isinstance(attn_mask, FlexMask) else x
+        return x[:first.num_queries] if flex else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H]`` -> ``[..., V]`` through the frozen target LM head."""
@@ -499,6 +584,51 @@ class DFlashDrafter(nn.Module):
         cache.positions = torch.cat([cache.positions, ctx_positions.to(cache.positions)])
         return cache
 
+    def _inference_masks(self, cache: DraftCache, pos: torch.Tensor) -> dict[str, torch.Tensor | None]:
+        """``{layer_type: [B, C+B] bool or None}`` for one block at ``pos [B]`` over the cached context: a
+        sliding layer sees cached position ``c`` only if ``pos - c < W``; with ``is_causal`` slot ``j`` sees
+        slots ``<= j``. None (everything visible) for a full, non-causal layer."""
+        out: dict[str, torch.Tensor | None] = {}
+        b = pos.shape[0]
+        for t, v in self.config.attention_variants().items():
+            if v["window"] is None and not v["causal"]:
+                out[t] = None
+                continue
+            ctx = torch.ones(b, cache.length, dtype=torch.bool, device=pos.device)
+            if v["window"] is not None:
+                ctx = (pos[:, None] - cache.positions.to(pos.device)[None, :]) < v["window"]
+            own = torch.ones(b, b, dtype=torch.bool, device=pos.device)
+            if v["causal"]:
+                own = own.tril()
+            out[t] = torch.cat([ctx, own], dim=1)
+        return out
+
+    @torch.no_grad()
+    def draft_block_hidden(self, ctx_hidden: torch.Tensor, ctx_positions: torch.Tensor, anchor_token: int,
+                           anchor_pos: int, cache: DraftCache | None = None, block_size: int | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor, DraftCache]:
+        """``draft_block`` that also returns the block's final-normed hidden states: ``(hidden [B, H] in the
+        compute dtype, logits [B, V] float32, cache)``; ``logits`` is exactly ``draft_block``'s."""
+        b = block_size or self.config.block_size
+        w = self.config.sliding_window
+        if w is not None and "sliding_attention" in self.config.resolved_layer_types() and b > w:
+            raise ValueError(f"block_size: {b} > sliding_window {w}")
+        cache = self.extend_cache(ctx_hidden, ctx_positions, cache)
+        if cache.length and int(cache.positions.max()) >= anchor_pos:
+            raise ValueError(f"draft_block: cache holds context at position {int(cache.positions.max())} "
+                             f">= anchor_pos {anchor_pos}; crop it first")
+        dev = self.fc.weight.device
+        ids = torch.full((b,), self.config.mask_token_id, dtype=torch.long, device=dev)
+        ids[0] = int(anchor_token)
+        pos = torch.arange(anchor_pos, anchor_pos + b, device=dev)
+        masks = self._inference_masks(cache, pos)
+        x = self.embed(ids)
+        cos, sin = self._rope(pos)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, (cache.keys[i], cache.values[i]), cos, sin, masks[layer.layer_type], None, b)
+        hidden = self.norm(x)
+        return hidden, self.logits(hidden).float(), cache
+
     @torch.no_grad()
     def draft_block(self, ctx_hidden: torch.Tensor, ctx_positions: torch.Tensor, anchor_token: int,
                     anchor_pos: int, cache: DraftCache | None = None,
@@ -512,63 +642,13 @@ class DFlashDrafter(nn.Module):
         ``(logits [B, V] float32, cache)``: row ``k >= 1`` predicts the token at ``anchor_pos + k``; row 0
         is not a prediction. Typical loop: ``logits, cache = draft_block(h[:p], pos[:p], tok[p], p)``;
         verify with the target; then ``draft_block(h_new_accepted, their_positions, bonus, p2, cache)``.
+        Sliding layers mask cached context at ``anchor_pos + k - c >= sliding_window`` (the cache keeps it:
+        a full layer may still see it); ``is_causal`` makes the block causal. Raises ``ValueError`` for a
+        block longer than the sliding window.
         """
-        b = block_size or self.config.block_size
-        cache = self.extend_cache(ctx_hidden, ctx_positions, cache)
-        if cache.length and int(cache.positions.max()) >= anchor_pos:
-            raise ValueError(f"draft_block: cache holds context at position {int(cache.positions.max())} "
-                             f">= anchor_pos {anchor_pos}; crop it first")
-        dev = self.fc.weight.device
-        ids = torch.full((b,), self.config.mask_token_id, dtype=torch.long, device=dev)
-        ids[0] = int(anchor_token)
-        pos = torch.arange(anchor_pos, anchor_pos + b, device=dev)
-        x = self.embed(ids)
-        cos, sin = self._rope(pos)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, (cache.keys[i], cache.values[i]), cos, sin, None)
-        return self.logits(self.norm(x)).float(), cache
-
-
-def _weight_index(target_dir: Path) -> dict[str, str]:
-    """``tensor name -> shard file name`` for a safetensors checkpoint (sharded or single file)."""
-    index = target_dir / "model.safetensors.index.json"
-    if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
-    single = target_dir / "model.safetensors"
-    if single.is_file():
-        from safetensors import safe_open
-        with safe_open(str(single), framework="pt") as f:
-            return {k: single.name for k in f.keys()}
-    raise FileNotFoundError(f"no model.safetensors.index.json or model.safetensors in {target_dir}")
-
-
-def read_target_head(target_dir: str | Path, tie_word_embeddings: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(embedding [V, H], lm_head [V, H] or None when tied)`` read from the target's safetensors.
-
-    Looks for ``model.embed_tokens.weight`` (else any ``*embed_tokens.weight``) and ``lm_head.weight``.
-    Raises ``KeyError`` naming the tensor when the checkpoint lacks it.
-    """
-    from safetensors import safe_open
-
-    target_dir = Path(target_dir)
-    wmap = _weight_index(target_dir)
-    embed_name = "model.embed_tokens.weight"
-    if embed_name not in wmap:
-        cands = sorted(k for k in wmap if k.endswith("embed_tokens.weight"))
-        if not cands:
-            raise KeyError(f"no embed_tokens.weight in {target_dir}")
-        embed_name = cands[0]
-    head_name = "lm_head.weight" if "lm_head.weight" in wmap else None
-    if head_name is None and not tie_word_embeddings:
-        raise KeyError(f"lm_head.weight missing in {target_dir} and tie_word_embeddings is false")
-
-    def get(name: str) -> torch.Tensor:
-        with safe_open(str(target_dir / wmap[name]), framework="pt") as f:
-            return f.get_tensor(name)
-
-    embed = get(embed_name)
-    head = None if (tie_word_embeddings or head_name is None) else get(head_name)
-    return embed, head
+        _, logits, cache = self.draft_block_hidden(ctx_hidden, ctx_positions, anchor_token, anchor_pos, cache,
+                                                   block_size)
+        return logits, cache
 
 
 def build_drafter(dcfg: DFlashConfig, target_dir: str | Path | None = None, device: str | torch.device = "cpu",
