@@ -1,9 +1,11 @@
 """``launch.py eval``: τ of a checkpoint or export beside the baselines, by real speculative decoding.
 
 The table rows: plain greedy decoding (the reference, and the lossless check), the drafter, and the
-baselines (an untrained drafter, prompt lookup), on held-out prompts. A DFlash drafter drafts blocks of
-``--block-size - 1``; an EAGLE-3 drafter drafts a chain of ``--num-draft-tokens`` one by one (``Eagle3Proposer``),
-and every row then verifies blocks of ``--num-draft-tokens + 1``; see docs/evaluation.md for the
+baselines (an untrained drafter of the same family, prompt lookup), on held-out prompts. The drafter decodes
+through its family's proposer (``shared/drafters``): a DFlash or DFlash2 drafter drafts blocks of
+``--block-size - 1`` (DFlash2 through its candidate selector); an EAGLE-3 drafter drafts a chain of
+``--num-draft-tokens`` one by one, and every row then verifies blocks of ``--num-draft-tokens + 1``; see
+docs/evaluation.md for the
 standard setting and ``specring.shared.models.speculative`` for what is counted.
 
 Decoding is greedy by default. ``--temperature T`` (> 0), with ``--top-p`` and ``--top-k``, makes every drafter
@@ -27,12 +29,9 @@ from typing import Any
 
 import torch
 
-from specring.shared.models.dflash import DFlashConfig
-from specring.shared.models.eagle3 import Eagle3Drafter, build_eagle3
+from specring.shared.drafters import DEFAULT_FAMILY, family_of_export, get_family
 from specring.shared.models.ngram import PromptLookupProposer
 from specring.shared.models.speculative import (
-    DFlashProposer,
-    Eagle3Proposer,
     SamplingParams,
     check_same_head,
     greedy_generate,
@@ -40,36 +39,11 @@ from specring.shared.models.speculative import (
     speculative_generate,
     summarize,
     target_vocab_size,
-    untrained_drafter,
 )
 
 logger = logging.getLogger(__name__)
 
 
-def target_of_checkpoint(step_dir: str | Path) -> Path | None:
-    """The target a checkpoint was trained against, from ``run_dir/config.json`` (``producer.target``) of
-    the run that holds ``run_dir/checkpoints/step-*/``; None when it is not recorded."""
-    run_dir = Path(step_dir).resolve().parent.parent
-    cfg_path = run_dir / "config.json"
-    try:
-        target = json.loads(cfg_path.read_text())["producer"]["target"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return Path(target) if target else None
-
-
-def untrained_eagle3(trained: Eagle3Drafter, target_dir: str | Path, device, dtype: torch.dtype,
-                     seed: int = 0) -> Eagle3Drafter:
-    """The baseline of an EAGLE-3 drafter: its shape and draft vocabulary, the target's embedding and head rows
-    (``Eagle3Drafter.load_target_head``), every other weight at its seeded initialisation (the global RNG is
-    left alone)."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = build_eagle3(trained.config, target_dir, trained.d2t.cpu(), trained.t2d.cpu())
-    return model.to(device=device, dtype=dtype).eval()
-
-
-# ---------------------------------------------------------------------------------------------- command line
 HELP_EXAMPLES = """\
 examples:
   launch.py eval --drafter runs/latest                  the run's latest checkpoint on the demo held-out split
@@ -182,52 +156,55 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     use_drafter = not args.baselines_only and str(args.drafter).lower() not in ("none", "")
     step_dir = ckpt.resolve_checkpoint(args.drafter) if use_drafter else None
     from specring.shared.hub import resolve_model_dir
-    target_dir = resolve_model_dir(args.target or (step_dir and target_of_checkpoint(step_dir)) or DEFAULT_TARGET,
+    target_dir = resolve_model_dir(args.target or (step_dir and ckpt.target_of_checkpoint(step_dir)) or DEFAULT_TARGET,
                                    "--target")
     trust = bool(getattr(args, "trust_remote_code", False))
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else (
         "cpu" if args.device == "auto" else args.device)
     target, hf_config = load_target(target_dir, device, args.dtype, trust_remote_code=trust)
     dtype = next(target.parameters()).dtype
+    family = None
     if step_dir is not None:
         if ckpt.is_export(step_dir):   # evaluated as served: in its exported dtype, whatever --dtype says
-            from specring.cli.export import load_exported_as_served
-            drafter = load_exported_as_served(step_dir, device)
+            family = family_of_export(step_dir)
+            drafter = family.load_export(step_dir, device)
         else:
+            family = get_family(ckpt.drafter_kind(step_dir))
             drafter = ckpt.load_drafter(step_dir, device=device, dtype=dtype)
         check_same_head(drafter, target)
         dcfg = drafter.config
-    else:
+        layer_ids = list(dcfg.target_layer_ids)
+    else:  # baselines only: the untrained row is a drafter of the default family sized like the target
         drafter = None
-        dcfg = DFlashConfig.from_target(target_dir, None, block_size=args.block_size or 16, trust_remote_code=trust)
-    eagle3 = isinstance(drafter, Eagle3Drafter)
-    if args.num_draft_tokens is not None and not eagle3:
-        raise ConfigError("--num-draft-tokens: only for an EAGLE-3 drafter (a DFlash drafter drafts --block-size - 1)")
-    if eagle3:
-        k = args.num_draft_tokens if args.num_draft_tokens is not None else (
-            args.block_size - 1 if args.block_size else dcfg.ttt_steps)
-        if k < 1:
-            raise ConfigError(f"--num-draft-tokens: must be >= 1, got {k}")
-        bsz = int(k) + 1
+        dcfg = get_family(DEFAULT_FAMILY).config_cls.from_target(target_dir, None, block_size=args.block_size or 16,
+                                                                 trust_remote_code=trust)
+        layer_ids = list(dcfg.target_layer_ids)
+    chain = family is not None and family.drafts_chain   # a chain drafter drafts --num-draft-tokens one by one
+    if args.num_draft_tokens is not None and not chain:
+        raise ConfigError("--num-draft-tokens: only for a chain drafter such as EAGLE-3 (a block drafter drafts "
+                          "--block-size - 1)")
+    if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
+        raise ConfigError(f"--num-draft-tokens: must be >= 1, got {args.num_draft_tokens}")
+    if family is not None:
+        bsz = family.verify_block_size(drafter, args.block_size, args.num_draft_tokens)
     else:
-        bsz = int(args.block_size or dcfg.block_size)
+        bsz = int(args.block_size or 16)
     if bsz < 2:
         raise ConfigError(f"--block-size: must be >= 2, got {bsz}")
     rows_spec: list[tuple[str, Any]] = []
     if drafter is not None:
-        rows_spec.append((f"eagle3 {step_dir.name} (chain k={bsz - 1})", Eagle3Proposer(drafter, bsz - 1)) if eagle3
-                         else (f"dflash {step_dir.name}", DFlashProposer(drafter, bsz)))
+        label = f"{family.name} {step_dir.name}" + (f" (chain k={bsz - 1})" if chain else "")
+        rows_spec.append((label, family.proposer(drafter, block_size=bsz, num_draft_tokens=bsz - 1)))
     baselines = {b.strip() for b in args.baselines.split(",") if b.strip()}
     if baselines - {"untrained", "prompt-lookup"}:
         raise ConfigError(f"--baselines: unknown {sorted(baselines - {'untrained', 'prompt-lookup'})} "
                           "(known: untrained, prompt-lookup)")
     if not args.no_baselines or drafter is None:
-        if "untrained" in baselines and eagle3:
-            rows_spec.append(("eagle3 untrained", Eagle3Proposer(untrained_eagle3(drafter, target_dir, device, dtype,
-                                                                                  args.seed), bsz - 1)))
-        elif "untrained" in baselines:
-            rows_spec.append(("dflash untrained", DFlashProposer(untrained_drafter(dcfg, target_dir, device, dtype,
-                                                                                   args.seed), bsz)))
+        if "untrained" in baselines:
+            fam = family or get_family(DEFAULT_FAMILY)
+            like = drafter if drafter is not None else fam.build(dcfg)
+            fresh = fam.untrained_like(like, target_dir, device, dtype, args.seed)
+            rows_spec.append((f"{fam.name} untrained", fam.proposer(fresh, block_size=bsz, num_draft_tokens=bsz - 1)))
         if "prompt-lookup" in baselines:
             rows_spec.append((f"prompt-lookup (n<={args.ngram_max})",
                               PromptLookupProposer(args.ngram_max, vocab_size=target_vocab_size(target))))
@@ -250,7 +227,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
             greedy_rate = rows[-1]["tokens_per_s"]
         for name, proposer in rows_spec:
             gen = torch.Generator().manual_seed(sampling_seed) if sampled else None  # per row: reproducible alone
-            res = [speculative_generate(target, proposer, p, args.max_new_tokens, bsz, dcfg.target_layer_ids, stop,
+            res = [speculative_generate(target, proposer, p, args.max_new_tokens, bsz, layer_ids, stop,
                                         sampling=sampling if sampled else None, generator=gen)
                    for p in _progress(prompts, f"{path.stem}: {name}")]
             row = {"dataset": path.stem, "drafter": name, **summarize(res, bsz)}
@@ -260,10 +237,10 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
             rows.append(row)
             logger.info("eval dataset=%s drafter=%r tau_mean=%s", path.stem, name, row["tau_mean"])
     return {"target": str(target_dir), "drafter": str(step_dir) if step_dir else None,
-            "drafter_kind": "eagle3" if eagle3 else ("dflash" if drafter is not None else None), "device": device,
+            "drafter_kind": family.name if family is not None else None, "device": device,
             "dtype": str(dtype).replace("torch.", ""), "block_size": bsz, "num_prompts": args.num_prompts,
             "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "stop_token_ids": stop,
-            "target_layer_ids": dcfg.target_layer_ids,
+            "target_layer_ids": layer_ids,
             "sampling": {**sampling.to_dict(), "seed": sampling_seed if sampled else None},
             "lossless_check": ("not applicable: sampled decoding (temperature > 0)" if sampled else
                                ("skipped" if args.no_lossless_check else "token equality with greedy decoding")),

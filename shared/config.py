@@ -30,6 +30,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
+from specring.shared.drafters import DEFAULT_FAMILY
 from specring.shared.drafters import NAMES as DRAFTER_NAMES
 from specring.shared.errors import ConfigError
 from specring.shared.paths import DEFAULT_TARGET
@@ -348,7 +349,7 @@ class TrainerConfig:
                                  machine_default=lambda: default_devices()[1],
                                  default_text="cpu; with GPUs cuda:0 (1 GPU), cuda:1 (2), cuda:2 (3+)",
                                  help="one consumer (a drafter trainer, one data-parallel rank) per device")
-    drafter: str = setting("dflash", aliases=("--drafter",), choices=DRAFTERS,
+    drafter: str = setting(DEFAULT_FAMILY, aliases=("--drafter",), choices=DRAFTERS,
                            help="drafter family: dflash (block drafter, shared/models/dflash.py), dflash2 (DFlash "
                                 "with grouped dynamic causal convolutions and a candidate selector, "
                                 "shared/models/dflash2.py) or eagle3 (one layer over three fused target layers, "

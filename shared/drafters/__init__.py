@@ -24,6 +24,7 @@ FAMILIES: dict[str, str] = {
 }
 
 NAMES: tuple[str, ...] = tuple(FAMILIES)
+DEFAULT_FAMILY = "dflash"   # what --drafter means when it is not given (the shared.config default reads it)
 
 _loaded: dict[str, "DrafterFamily"] = {}
 

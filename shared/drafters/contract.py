@@ -132,6 +132,7 @@ class DrafterFamily(ABC):
     acc_key: ClassVar[str] = "per_slot_acc"          # the metrics key of per-position accuracy
     uses_flex_attention: ClassVar[bool] = True       # the objective runs flex attention on CUDA (warm-up compiles it)
     needs_anchors: ClassVar[bool] = True             # trains on anchors (two adjacent loss tokens): the plan checks
+    drafts_chain: ClassVar[bool] = False             # drafts one token after another (eval's --num-draft-tokens)
 
     # ------------------------------------------------------------------ configuration
     @abstractmethod

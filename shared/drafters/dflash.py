@@ -35,6 +35,7 @@ from specring.shared.models.dflash import (
     HEAD_KEY,
     DFlashConfig,
     DFlashDrafter,
+    layer_masks,
 )
 from specring.shared.models.draft_attention import (
     build_attention_mask,
@@ -67,7 +68,9 @@ class DFlashFamily(DrafterFamily):
         """The keyword arguments of ``config_cls.from_target`` that a run's flags give."""
         p, t = run.producer, run.trainer
         return dict(block_size=t.block_size, mask_token_id=t.mask_token_id, num_draft_layers=t.num_draft_layers,
-                    num_target_layers=p.num_target_layers, trust_remote_code=p.trust_remote_code)
+                    num_target_layers=p.num_target_layers, trust_remote_code=p.trust_remote_code,
+                    sliding_window=t.sliding_window,
+                    layer_types=None if t.sliding_window is None else "sliding_attention")
 
     def config_from_run(self, run) -> DFlashConfig:
         """The drafter config of a run: target and captured layers from ``run.producer``, block size, mask token
@@ -153,12 +156,13 @@ class DFlashFamily(DrafterFamily):
             cu_g = cu_cpu[s0:s1 + 1] - lo
             bb = build_block_batch(ids[lo:hi], lm[lo:hi], cu_g, a_g - lo, b, ctx.dcfg.mask_token_id,
                                    next_token_ids=None if next_ids is None else next_ids[lo:hi], check=False)
+            dc = ctx.dcfg  # one mask per draft-attention variant (full, sliding window, causal block)
             if ctx.attention == "flex":
-                mask, form = build_flex_mask(bb.anchors, bb.seq_start, hi - lo, b), None
+                mask, form = layer_masks(dc, build_flex_mask, bb.anchors, bb.seq_start, hi - lo, b), None
             elif ctx.attention == "dense":
-                mask, form = build_attention_mask(bb.anchors, cu_g.to(dev), b), None
+                mask, form = layer_masks(dc, build_attention_mask, bb.anchors, cu_g.to(dev), b), None
             else:
-                mask, form = build_context_mask(bb.anchors, cu_g.to(dev), b), b
+                mask, form = layer_masks(dc, build_context_mask, bb.anchors, cu_g.to(dev), b), b
             distill = {}
             if tc.distill_topk and "target_topk_ids" in extra:
                 src = (bb.label_pos - 1).clamp(min=0) + lo  # the position whose next token slot k predicts

@@ -113,7 +113,11 @@ class DFlash2Family(DFlashFamily):
         return extra
 
     def step_metrics(self, sums: dict[str, Any]) -> dict[str, Any]:
-        out = super().step_metrics(sums)
+        """DFlash's metrics, its ``loss`` the block cross-entropy alone (comparable with DFlash's), plus the
+        selector's: ``selector_loss`` (its weighted K-way cross-entropy, times alpha, over the same normaliser),
+        ``selector_acc`` and ``topk_recall`` per slot 1..B-1."""
+        sel = sums["selector_loss_sum"][0]
+        out = super().step_metrics({**sums, "loss_sum": sums["loss_sum"] - sel})
         counted = sums["counted"]
         out["selector_acc"] = [c / n if n else None for c, n in zip(sums["selector_correct"], counted)][1:]
         out["topk_recall"] = [c / n if n else None for c, n in zip(sums["topk_hit"], counted)][1:]

@@ -239,6 +239,11 @@ def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     target = resolve_model_dir(target_dir or ckpt.target_of_checkpoint(step_dir) or DEFAULT_TARGET, "--target")
     out = check_output_dir(output_dir, overwrite)
     drafter, target_raw = _check_checkpoint(step_dir, target)
+    if not drafter.config.plain_attention:  # the modelling file (dflash_hf_model.py) drafts with full attention
+        raise ValueError(f"checkpoint {step_dir}: its draft attention is not plain (layer_types "
+                         f"{drafter.config.resolved_layer_types()}, is_causal {drafter.config.is_causal}); the "
+                         f"DFlashDraftModel export's modelling file would compute it with full attention: train "
+                         f"without --trainer.sliding-window, or as --drafter dflash2, whose export carries it")
     dtype = resolve_export_dtype(dtype, step_dir, target)
     weights = {k: v.to(DTYPES[dtype]).contiguous() for k, v in drafter.trainable_state_dict().items()}
     expected = reference_weight_names(drafter.config.num_hidden_layers)

@@ -40,6 +40,7 @@ class Eagle3Family(DrafterFamily):
     acc_key: ClassVar[str] = "per_step_acc"
     uses_flex_attention: ClassVar[bool] = False
     needs_anchors: ClassVar[bool] = False
+    drafts_chain: ClassVar[bool] = True
 
     # ------------------------------------------------------------------ configuration
     def config_from_run(self, run) -> Eagle3Config:

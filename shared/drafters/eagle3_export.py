@@ -38,8 +38,8 @@ from specring.shared.models.eagle3 import (
     DEFAULT_TTT_STEPS,
     Eagle3Config,
     Eagle3Drafter,
-    default_eagle3_layer_ids,
 )
+from specring.shared.models.layer_ids import default_eagle3_layer_ids
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 REQUIRED_CONFIG = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -159,7 +159,7 @@ def load_eagle3_export(export_dir: str | Path, device: str | torch.device = "cpu
     target's, or that target is not recorded or gone."""
     from safetensors import safe_open
 
-    from specring.shared.models.dflash import read_target_head
+    from specring.shared.models.building_blocks import read_target_head
 
     export_dir = Path(export_dir)
     cfg = json.loads((export_dir / "config.json").read_text())

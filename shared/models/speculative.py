@@ -75,10 +75,8 @@ import numpy as np
 import torch
 
 from specring.shared.models.dflash import (
-    DFlashConfig,
     DFlashDrafter,
     DraftCache,
-    build_drafter,
 )
 from specring.shared.models.eagle3 import Eagle3Drafter
 
@@ -633,9 +631,10 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
                  seed: int = 0) -> dict[str, Any]:
     """τ of ``drafter`` on ``prompts`` against an already-loaded target (for the trainer's checkpoints).
 
-    ``target_model``: HF ``AutoModelForCausalLM`` in eval mode; ``drafter``: a live ``DFlashDrafter`` or
-    ``Eagle3Drafter`` (put in eval mode for the call, its mode restored after; EAGLE-3 drafts a chain of
-    ``block_size - 1`` tokens, by default ``ttt_steps``, with ``Eagle3Proposer``) or any proposer (e.g.
+    ``target_model``: HF ``AutoModelForCausalLM`` in eval mode; ``drafter``: a live drafter of any family (put in
+    eval mode for the call, its mode restored after; it decodes through its family's proposer,
+    ``DrafterFamily.proposer``: DFlash blocks, DFlash2's selector walk, EAGLE-3 chains of ``block_size - 1``
+    tokens, by default ``ttt_steps``) or any proposer (e.g.
     ``PromptLookupProposer()``); ``layer_ids``: the target layers the drafter was trained on (must equal
     ``drafter.config.target_layer_ids``: ``ValueError`` otherwise). ``block_size`` defaults to the
     drafter's (16 for a proposer). With ``check_lossless`` also decodes greedily and adds
@@ -649,17 +648,15 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
     ``lossless_mismatches`` is None. Returns ``summarize``'s dict, plus, when sampled, ``sampling`` (the
     parameters, ``SamplingParams.to_dict``) and ``sampling_seed``.
     """
-    if isinstance(drafter, (DFlashDrafter, Eagle3Drafter)):
+    if isinstance(drafter, torch.nn.Module):  # a drafter: its family's proposer (shared.drafters)
+        from specring.shared.drafters import family_of
         if layer_ids is not None and list(layer_ids) != list(drafter.config.target_layer_ids):
             raise ValueError(f"layer_ids: {list(layer_ids)} differ from the drafter's target_layer_ids "
                              f"{drafter.config.target_layer_ids}")
         layer_ids = drafter.config.target_layer_ids
-        if isinstance(drafter, DFlashDrafter):
-            proposer = DFlashProposer(drafter, block_size)
-            bsz = proposer.block_size
-        else:  # chain drafting, as deep as training-time test unrolled it unless block_size says otherwise
-            bsz = int(block_size or drafter.config.ttt_steps + 1)
-            proposer = Eagle3Proposer(drafter, bsz - 1)
+        family = family_of(drafter)
+        bsz = family.verify_block_size(drafter, block_size)
+        proposer = family.proposer(drafter, block_size=bsz)
     else:
         proposer, bsz = drafter, int(block_size or 16)
     sampled = sampling is not None and not sampling.greedy
@@ -733,16 +730,7 @@ def load_prompts(path: str | Path, num_prompts: int, prompt_len: int) -> list[li
     return [ds[i][0][:prompt_len].astype(np.int64).tolist() for i in picks]
 
 
-def untrained_drafter(dcfg: DFlashConfig, target_dir: str | Path, device, dtype: torch.dtype,
-                      seed: int = 0) -> DFlashDrafter:
-    """A randomly initialised drafter (seeded, the global RNG untouched) with the target's frozen head."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = build_drafter(dcfg, target_dir, device="cpu", dtype=dtype)
-    return model.to(device).eval()
-
-
-def check_same_head(drafter: DFlashDrafter, target) -> None:
+def check_same_head(drafter: torch.nn.Module, target) -> None:
     """Raise ``ValueError`` unless the drafter's frozen embedding is the target's (same values)."""
     mine = drafter.embed_tokens.weight.detach().float().cpu()
     theirs = target.get_input_embeddings().weight.detach().float().cpu()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from specring.cli.eval import main
-from specring.consumer.blocks import (
+from specring.shared.drafters.dflash_blocks import (
     block_loss,
     build_block_batch,
     loss_weights,
@@ -35,7 +35,6 @@ from specring.shared.models.speculative import (
     load_prompts,
     speculative_generate,
     summarize,
-    untrained_drafter,
 )
 from specring.shared.models.target import load_target
 from tests.support import TARGET, NoDraftProposer
@@ -136,6 +135,15 @@ def test_greedy_reference_matches_transformers_generate(target, prompts, greedy_
     out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
                           eos_token_id=EOS, pad_token_id=3)
     assert out[0, ids.shape[1]:].tolist() == greedy_refs[0]
+
+
+
+def untrained_drafter(dcfg, target_dir, device, dtype, seed: int = 0):
+    """A seeded untrained DFlash drafter with the target's head (the global RNG untouched), eval mode."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = build_drafter(dcfg, target_dir, device="cpu", dtype=dtype)
+    return model.to(device).eval()
 
 
 def test_speculative_output_equals_greedy_for_every_proposer(target, prompts, greedy_refs, untrained):
@@ -265,7 +273,7 @@ def test_evaluate_tau_reuses_the_live_models_and_restores_the_mode(target, promp
 
 
 def _mini_train(target, dcfg, seqs, steps, lr=3e-3, seed=0, first_anchor=0):
-    """DFlash steps on fixed sequences, in this process (consumer/blocks.py conventions); anchors only at
+    """DFlash steps on fixed sequences, in this process (shared/drafters/dflash_blocks.py conventions); anchors only at
     positions ``>= first_anchor`` of each sequence."""
     torch.manual_seed(seed)
     model = build_drafter(dcfg, TARGET).train()
