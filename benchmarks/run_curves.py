@@ -24,7 +24,8 @@ def curves(run: Path, rows: int = 8) -> str:
     t0 = metrics[0]["time"]
     out = []
     for m in metrics[::max(1, len(metrics) // rows)] + metrics[-1:]:
-        acc = m["per_slot_acc"]
+        acc = m.get("per_slot_acc") or m.get("per_step_acc") or [float("nan")]  # EAGLE-3: per TTT step
+        acc = [float("nan") if a is None else a for a in acc]
         out.append(f"{run.name} step={m['step']} t={m['time'] - t0:.0f}s loss={m['loss']:.3f} acc1={acc[0]:.3f} "
                    f"acc8={acc[min(7, len(acc) - 1)]:.3f} proxy={m['accept_proxy']:.2f}")
     for e in evals:
