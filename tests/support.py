@@ -134,6 +134,67 @@ def evaluate_batch(trainer, batch: dict[str, torch.Tensor], batch_ids: list[int]
         trainer.model.train(was_training)
 
 
+# ------------------------------------------------------------------------------------------------ targets
+# Tiny random targets of the shapes users train for now, built from transformers' own config classes (no download):
+# hybrid linear-attention stacks (Gated DeltaNet layers with a full-attention layer every third), mixture-of-experts
+# MLPs, and sliding-window attention. initializer_range 0.2 makes their greedy continuations vary (at transformers'
+# default 0.02 a random stack of this width repeats one token), so that drafts are accepted and rejected.
+TINY_TARGETS = ("qwen3_5", "qwen3_next", "qwen3_moe", "qwen3_5_moe", "qwen3_sliding")
+_HYBRID = ["linear_attention", "linear_attention", "full_attention"]
+
+
+def tiny_target_config(kind: str, vocab_size: int = 8192, num_layers: int = 6, **overrides):
+    """The transformers config of a tiny target of ``kind`` (``TINY_TARGETS``): hidden 32, ``num_layers`` layers
+    (hybrid kinds: linear, linear, full, repeated), 2 attention heads of 16, 4 experts of which 2 per token for
+    the MoE kinds, sliding windows of 6 tokens on every other layer for ``qwen3_sliding``. ``overrides`` go to the
+    config class. Raises ``ValueError`` for an unknown kind."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3Config, Qwen3MoeConfig, Qwen3NextConfig
+
+    common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=num_layers, num_attention_heads=2,
+                  num_key_value_heads=1, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                  initializer_range=0.2, pad_token_id=3, bos_token_id=0, eos_token_id=0)
+    linear = dict(linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                  linear_conv_kernel_dim=4, layer_types=(_HYBRID * num_layers)[:num_layers])
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    if kind == "qwen3_5":
+        return Qwen3_5TextConfig(intermediate_size=64, **linear, **{**common, **overrides})
+    if kind == "qwen3_next":
+        return Qwen3NextConfig(intermediate_size=64, shared_expert_intermediate_size=16, decoder_sparse_step=1,
+                               **moe, **linear, **{**common, **overrides})
+    if kind == "qwen3_5_moe":  # publishes no dense intermediate_size (shared.models.target_config.text_config)
+        return Qwen3_5MoeTextConfig(shared_expert_intermediate_size=16, **moe, **linear, **{**common, **overrides})
+    if kind == "qwen3_moe":
+        return Qwen3MoeConfig(intermediate_size=64, decoder_sparse_step=1, **moe, **{**common, **overrides})
+    if kind == "qwen3_sliding":
+        return Qwen3Config(intermediate_size=64, sliding_window=6, use_sliding_window=True,
+                           layer_types=(["sliding_attention", "full_attention"] * num_layers)[:num_layers],
+                           **{**common, **overrides})
+    raise ValueError(f"tiny_target_config: unknown kind {kind!r} (known: {', '.join(TINY_TARGETS)})")
+
+
+def tiny_target(kind: str, seed: int = 0, **kwargs):
+    """A tiny random causal LM of ``kind`` (``tiny_target_config``), float32, eval mode, gradients off; the
+    global RNG is left as it was."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(tiny_target_config(kind, **kwargs)).float().eval()
+    model.requires_grad_(False)
+    return model
+
+
+def write_tiny_target(path: Path, kind: str, seed: int = 0, **kwargs) -> Path:
+    """``tiny_target(kind)`` saved as a checkpoint directory (safetensors, ``config.json``) with the fixture's
+    tokenizer (assets/tiny-code-lm), as Hugging Face saves one: a target ``launch.py train`` takes."""
+    import shutil
+
+    tiny_target(kind, seed, **kwargs).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(TARGET / name, Path(path) / name)
+    return Path(path)
+
+
 # ------------------------------------------------------------------------------------------------ decoding
 class NoDraftProposer:
     """Proposes nothing: speculative decoding degenerates to one token per target forward (τ = 1)."""

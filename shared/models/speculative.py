@@ -13,10 +13,14 @@ copied. One sequence at a time:
    greedy choice after position ``p+i``, ``a`` is the number of leading ``d_{i+1} == g_i``, and the bonus
    token is ``g_a``. The step produces ``a + 1`` tokens (``d_1..d_a``, bonus); the output is cut at the
    generation limit and after a stop token, the step's acceptance length is not.
-4. The target cache is cropped to ``p + produced`` (anchor and accepted tokens kept); the verify forward's
-   features of the anchor and the accepted tokens (rows ``0..produced-1``) become new drafter context;
-   the last produced token is the next anchor. The drafter's cache holds verified context only
-   (``DraftCache``), so it never needs a rollback.
+4. The target cache is rolled back to ``p + produced`` (anchor and accepted tokens kept; ``TargetCache``):
+   attention KV caches are cropped; on a target with linear-attention layers (Qwen3.5 / Qwen3-Next Gated
+   DeltaNet), whose recurrent and convolution states cannot be cropped, the states saved before the verify
+   forward are restored and the anchor and accepted tokens re-run (one more target forward, counted in
+   ``rollback_forwards``). The verify forward's features of the anchor and the accepted tokens (rows
+   ``0..produced-1``) become new drafter context; the last produced token is the next anchor. The drafter's
+   cache holds verified context only (``DraftCache``), so it never needs a rollback. ``launch.py eval``, τ
+   during training (``evaluate_tau``), the EAGLE-3 chain and every other proposer decode through this one loop.
 
 Every emitted token is a target greedy choice given a prefix of target greedy choices, so the output
 equals plain greedy decoding token for token (``greedy_generate``; a test asserts it).
@@ -28,8 +32,8 @@ no stop token was produced and at most ``max_new_tokens`` tokens exist (the refe
 max_length``, so a step also runs when exactly ``max_new_tokens`` are there). ``tau_mean`` is the mean over
 prompts of each prompt's mean acceptance length, ``tau_pooled`` the mean over all steps,
 ``tau_p50``/``tau_p90`` percentiles over steps and ``accept_hist`` the count of steps per length.
-``forwards_per_token`` = target forwards (prefill included) / generated tokens (1.0 for plain greedy
-decoding). ``tokens_per_s`` = generated tokens / wall time of the generate calls (prefill included);
+``forwards_per_token`` = target forwards (prefill and rollback re-runs included) / generated tokens (1.0 for
+plain greedy decoding); ``rollback_forwards`` counts the re-runs alone. ``tokens_per_s`` = generated tokens / wall time of the generate calls (prefill included);
 ``speedup`` = a row's ``tokens_per_s`` over plain greedy decoding's in the same run (the reference's
 "Decoding speedup": baseline time per output token over speculative time per output token).
 
@@ -384,12 +388,17 @@ def eagle3_chain_pick(drafter: Eagle3Drafter, cache, h_last: torch.Tensor, posit
 class DecodeResult:
     """One generated continuation. ``tokens``: generated ids (prompt excluded); ``accept_lengths``: tokens
     produced by each verify forward; ``drafted``: tokens proposed at each step; ``target_forwards``:
-    prefill included; ``wall_s``: seconds of the whole call; ``stopped``: ended on a stop token."""
+    prefill included, and the rollback forwards; ``rollback_forwards``: forwards that re-ran accepted
+    tokens after a partial acceptance (``TargetCache``, mode ``replay``; 0 on an attention-only target);
+    ``cache_rollback``: how the target's cache was rolled back (``crop`` or ``replay``; ``""`` when no verify
+    step ran); ``wall_s``: seconds of the whole call; ``stopped``: ended on a stop token."""
     prompt_len: int
     tokens: list[int]
     accept_lengths: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
     target_forwards: int = 0
+    rollback_forwards: int = 0
+    cache_rollback: str = ""
     wall_s: float = 0.0
     stopped: bool = False
 
@@ -398,12 +407,20 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _new_cache(target):
+def _new_cache(target, record_past: bool = False):
+    """A fresh ``DynamicCache`` for ``target`` (built from its config, so each layer gets its kind's cache layer:
+    attention KV, sliding window, linear-attention conv/recurrent states; transformers 4.x without that
+    argument: a plain ``DynamicCache``). ``record_past``: switch on transformers' past-state recording
+    (``Cache.activate_past_recording``, transformers >= 5.17) where the installed version has it, so that
+    ``crop`` can undo a forward on the layers that support it (sliding windows, convolution windows)."""
     from transformers import DynamicCache
     try:
-        return DynamicCache(config=target.config)
+        cache = DynamicCache(config=target.config)
     except TypeError:  # transformers 4.x: no config argument
-        return DynamicCache()
+        cache = DynamicCache()
+    if record_past and hasattr(cache, "activate_past_recording"):
+        cache.activate_past_recording()
+    return cache
 
 
 def _cache_kwarg(target) -> str:
@@ -417,13 +434,193 @@ def _cache_kwarg(target) -> str:
 
 
 def crop_cache(cache, length: int) -> None:
-    """Keep the first ``length`` positions of a ``DynamicCache`` (through ``crop(-n)``, the form every
-    transformers version accepts; z-lab/dflash ``_crop_to`` does the same)."""
+    """Keep the first ``length`` positions of an attention ``DynamicCache`` (through ``crop(-n)``, the form
+    every transformers version accepts; z-lab/dflash ``_crop_to`` does the same). With past-state recording
+    on (``_new_cache(record_past=True)``) ``crop(0)`` also runs when nothing is removed: it trims the recorded
+    sliding and convolution windows back to their working size. Exact only for caches whose every layer can
+    be cropped (``TargetCache`` decides; a linear-attention layer's recurrent state cannot). Raises
+    ``ValueError`` when the cache holds fewer than ``length`` positions."""
     remove = cache.get_seq_length() - int(length)
     if remove < 0:
         raise ValueError(f"crop_cache: cache holds {cache.get_seq_length()} positions, cannot keep {length}")
-    if remove:
+    if remove or _recording(cache):
         cache.crop(-remove)
+
+
+# ---------------------------------------------------------------------------------------------- rollback
+# Cache attributes that a forward replaces (``torch.cat``) rather than updates in place: a snapshot keeps a
+# reference to them (no copy; O(1) whatever the context), every other tensor it clones.
+_REPLACED_ON_UPDATE = frozenset({"keys", "values", "key_cache", "value_cache"})
+# Attributes of the caches of linear-attention / SSM / short-convolution layers, in transformers 5.x
+# (``LinearAttentionCacheLayerMixin``) and 4.x (per-model caches such as ``Qwen3NextDynamicCache``).
+_STATE_ATTRS = ("conv_states", "recurrent_states", "ssm_states")
+
+
+def _cache_parts(cache) -> list:
+    """The objects that hold a cache's state: its ``layers`` (transformers >= 4.56), else the cache itself."""
+    layers = getattr(cache, "layers", None)
+    return list(layers) if isinstance(layers, (list, tuple)) and len(layers) else [cache]
+
+
+def _recording(cache) -> bool:
+    return any(getattr(part, "record_past", False) for part in _cache_parts(cache))
+
+
+def exactly_croppable(cache) -> bool:
+    """Whether ``crop`` puts ``cache`` back exactly as it was before the rejected tokens (decided after the
+    prefill, once every layer is initialised).
+
+    transformers >= 5.17 says so itself (``Cache.is_croppable``: true for attention and dummy layers, for
+    sliding windows and convolution windows under past-state recording, false as soon as a layer holds a
+    recurrent state, e.g. Gated DeltaNet, Mamba); a sliding-window layer also needs the recording on. Older
+    versions: croppable when no part holds linear-attention/SSM state (``conv_states``, ``recurrent_states``,
+    ``ssm_states``) and no layer is a sliding window (their crop raises once the window is full)."""
+    parts = _cache_parts(cache)
+    for part in parts:
+        sliding = bool(getattr(part, "is_sliding", False)) or getattr(part, "sliding_window", None) is not None
+        if sliding and not getattr(part, "record_past", False):
+            return False
+    verdict = getattr(cache, "is_croppable", None)
+    if isinstance(verdict, bool):
+        return verdict
+    return not any(getattr(part, a, None) is not None and _holds_tensor(getattr(part, a))
+                   for part in parts for a in _STATE_ATTRS)
+
+
+def _holds_tensor(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    if isinstance(value, dict):
+        value = list(value.values())
+    return isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value)
+
+
+def _save(value, clone: bool):
+    if isinstance(value, torch.Tensor):
+        return ("t", value, value._version, value.clone() if clone else None)
+    if isinstance(value, dict):
+        return ("d", {k: _save(v, clone) for k, v in value.items()})
+    if isinstance(value, list):
+        return ("l", [_save(v, clone) for v in value])
+    return ("v", value)
+
+
+def _load(entry, where: str):
+    kind = entry[0]
+    if kind == "d":
+        return {k: _load(v, where) for k, v in entry[1].items()}
+    if kind == "l":
+        return [_load(v, where) for v in entry[1]]
+    if kind == "v":
+        return entry[1]
+    _, ref, version, saved = entry
+    if saved is None:  # kept by reference: the forward must have replaced it, not written into it
+        if ref._version != version:
+            raise RuntimeError(f"cache rollback: {where} was updated in place by the forward, so its state before "
+                               "the verify step is lost (a cache layer kind specring does not know)")
+        return ref
+    if ref._version != version and ref.shape == saved.shape:  # updated in place: write the saved state back
+        ref.copy_(saved)
+        return ref
+    return saved if ref._version != version else ref
+
+
+def snapshot_cache(cache) -> list:
+    """What ``restore_cache`` needs to put ``cache`` back as it is now: for every part (``_cache_parts``) its
+    attributes, with attention keys/values kept by reference (a forward replaces them; restoring the
+    reference is exact and costs nothing) and every other tensor cloned (linear-attention conv and recurrent
+    states, ``[1, C, K]`` and ``[1, heads, d_k, d_v]`` per layer, which a forward updates in place)."""
+    return [(part, {name: _save(v, clone=name not in _REPLACED_ON_UPDATE) for name, v in vars(part).items()})
+            for part in _cache_parts(cache)]
+
+
+def restore_cache(snapshot: list) -> None:
+    """Put every part of a cache back as ``snapshot_cache`` saw it (in-place-updated tensors are written back
+    into the same storage, so their addresses stay). Raises ``RuntimeError`` naming the attribute when a
+    tensor kept by reference was written into in place (its earlier content is gone)."""
+    for part, saved in snapshot:
+        attrs = vars(part)
+        for name, entry in saved.items():
+            attrs[name] = _load(entry, f"{type(part).__name__}.{name}")
+
+
+class TargetCache:
+    """The target's cache during one speculative decode, rolled back exactly after a partial acceptance.
+
+    A verify forward feeds ``[anchor, d_1..d_k]``; when only ``a < k`` drafts are accepted the cache must
+    forget ``d_{a+1}..d_k``. Attention KV caches are cut (``crop_cache``). The recurrent and convolution
+    states of linear-attention layers (Qwen3.5 / Qwen3-Next Gated DeltaNet, Mamba-style layers) have already
+    absorbed the rejected tokens and cannot be cut, so the cache takes one of two modes, chosen after the
+    prefill (``mode``):
+
+    * ``crop``: every layer is exactly croppable (``exactly_croppable``: attention, sliding windows under
+      transformers' past-state recording, convolution-only windows under it); ``keep(n)`` crops.
+    * ``replay``: some layer is not (a recurrent state, or a sliding window on a transformers without
+      recording). ``before_verify()`` snapshots the cache (``snapshot_cache``: states cloned, KV by
+      reference); on a partial acceptance ``keep(n, tokens)`` restores it and re-runs the anchor and the
+      accepted drafts (one more target forward, ``rollback_forwards``), which leaves the states exactly as
+      if only the accepted tokens had been fed. A full acceptance needs nothing.
+
+    Past-state recording (``_new_cache(record_past=True)``) is switched on where the installed transformers
+    has it; the recorded windows are trimmed back after each step (``crop(0)``). transformers 5.24's
+    recording covers convolution and sliding windows but no recurrent state (``is_croppable`` is false as
+    soon as one exists, and its own assisted generation refuses such caches), hence the replay.
+    """
+
+    def __init__(self, target):
+        self.target = target
+        self.cache = _new_cache(target, record_past=True)
+        self.mode: str = ""
+        self.length = 0                  # positions fed so far
+        self.rollback_forwards = 0
+        self._snapshot: list | None = None
+        self._verify_start = 0
+
+    def prefill(self, ids: Sequence[int], capture) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The prompt's forward (``_forward`` with ``last_only``); decides ``mode``."""
+        logits, feats = _forward(self.target, ids, 0, self.cache, capture, last_only=True)
+        self.length = self._verify_start = len(ids)  # nothing to keep() before a verify forward
+        self.mode = "crop" if exactly_croppable(self.cache) else "replay"
+        if _recording(self.cache):
+            self.cache.crop(0)  # the prompt's recorded windows back to their working size
+        return logits, feats
+
+    def before_verify(self) -> None:
+        """Call before each verify forward: in ``replay`` mode, snapshot the cache."""
+        self._snapshot = snapshot_cache(self.cache) if self.mode == "replay" else None
+
+    def verify(self, ids: Sequence[int], start: int, capture) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The verify forward of ``ids`` at positions ``start..`` (``before_verify`` first)."""
+        self.before_verify()
+        logits, feats = _forward(self.target, ids, start, self.cache, capture)
+        self._verify_start, self.length = int(start), int(start) + len(ids)
+        if self.mode == "replay" and _recording(self.cache):
+            self.cache.crop(0)  # recorded conv windows back to kernel size (the snapshot holds the earlier ones)
+        return logits, feats
+
+    def keep(self, length: int, tokens: Sequence[int], capture=None) -> None:
+        """Keep the first ``length`` positions (the anchor and the accepted drafts of the last verify forward).
+        ``tokens``: the sequence so far (prompt and generated), at least ``length`` long, from which ``replay``
+        re-runs positions ``verify start .. length - 1``; ``capture``: the decode's ``LayerCapture`` (cleared
+        after a replay; the verify forward's features are the ones used). Raises ``ValueError`` for a
+        ``length`` outside the last verify forward, ``RuntimeError`` from ``restore_cache``."""
+        length = int(length)
+        if not self._verify_start < length <= self.length:
+            raise ValueError(f"TargetCache.keep: {length} positions asked, the last verify forward covered "
+                             f"{self._verify_start + 1}..{self.length}")
+        if self.mode == "crop":
+            crop_cache(self.cache, length)
+        elif length < self.length:
+            restore_cache(self._snapshot)
+            _forward(self.target, list(tokens[self._verify_start:length]), self._verify_start, self.cache, None,
+                     last_only=True)
+            if capture is not None:
+                capture.clear()
+            if _recording(self.cache):
+                self.cache.crop(0)
+            self.rollback_forwards += 1
+        self._snapshot = None
+        self.length = self._verify_start = length
 
 
 def _forward(target, ids: Sequence[int], start: int, cache, capture, last_only: bool = False):
@@ -548,13 +745,14 @@ def speculative_generate(target, proposer, prompt_ids: Sequence[int], max_new_to
     sampled = sampling is not None and not sampling.greedy
     t0 = time.perf_counter()
     stop = set(int(t) for t in stop_token_ids)
-    cache = _new_cache(target)
+    cache = TargetCache(target)
     capture = LayerCapture(target, list(layer_ids)) if proposer.needs_features else None
     prompt = [int(t) for t in prompt_ids]
     res = DecodeResult(prompt_len=len(prompt), tokens=[])
     with capture if capture is not None else contextlib.nullcontext():
-        logits, feats = _forward(target, prompt, 0, cache, capture, last_only=True)
+        logits, feats = cache.prefill(prompt, capture)
         res.target_forwards = 1
+        res.cache_rollback = cache.mode
         proposer.reset(prompt)
         if feats is not None:
             proposer.add_context(feats, torch.arange(len(prompt)))
@@ -569,7 +767,7 @@ def speculative_generate(target, proposer, prompt_ids: Sequence[int], max_new_to
             else:
                 draft = [int(t) for t in proposer.propose(seq, k)][:k]
             anchor_pos = len(seq) - 1
-            logits, feats = _forward(target, [seq[-1]] + draft, anchor_pos, cache, capture)
+            logits, feats = cache.verify([seq[-1]] + draft, anchor_pos, capture)
             res.target_forwards += 1
             if sampled:
                 if draft and q.shape[1] != logits.shape[-1]:
@@ -584,13 +782,16 @@ def speculative_generate(target, proposer, prompt_ids: Sequence[int], max_new_to
                 bonus = greedy[a]
             new, res.stopped = _cut_at_stop(draft[:a] + [bonus], stop)
             produced = len(new)
-            crop_cache(cache, anchor_pos + produced)  # keep the anchor and the accepted drafts
             if feats is not None:
                 proposer.add_context(feats[:produced], torch.arange(anchor_pos, anchor_pos + produced))
             seq += new
             res.tokens += new
             res.accept_lengths.append(a + 1)
             res.drafted.append(len(draft))
+            if not res.stopped and len(res.tokens) <= max_new_tokens:  # another step follows: roll back
+                cache.keep(anchor_pos + produced, seq, capture)      # the anchor and the accepted drafts
+    res.rollback_forwards = cache.rollback_forwards
+    res.target_forwards += cache.rollback_forwards
     res.tokens = res.tokens[:max_new_tokens]
     res.stopped = bool(res.tokens) and res.tokens[-1] in stop
     res.wall_s = time.perf_counter() - t0
@@ -618,6 +819,8 @@ def summarize(results: list[DecodeResult], block_size: int) -> dict[str, Any]:
         "accept_hist": hist,
         "mean_drafted": float(np.mean([d for r in results for d in r.drafted])) if steps else None,
         "forwards_per_token": forwards / generated if generated else None,
+        "rollback_forwards": sum(r.rollback_forwards for r in results),
+        "cache_rollback": "+".join(sorted({r.cache_rollback for r in results if r.cache_rollback})) or None,
         "tokens_per_s": generated / wall if wall > 0 else None,
         "wall_s": wall,
     }

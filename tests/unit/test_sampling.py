@@ -363,6 +363,26 @@ def test_eagle3_and_prompt_lookup_sampling_emit_the_target_distribution(target, 
     assert df >= 10 and stat < chi_square_bound(df), (stat, df, chi_square_bound(df))
 
 
+def test_sampling_on_a_hybrid_target_emits_the_target_distribution():
+    """A Qwen3.5-shaped target (Gated DeltaNet linear-attention layers before a full-attention one, issue 24): each
+    partial acceptance restores the linear-attention states and re-runs the accepted tokens (``TargetCache``), and
+    the emitted tokens are still distributed as the target's own."""
+    from tests.support import tiny_target
+
+    target = tiny_target("qwen3_5", vocab_size=V, num_layers=3, initializer_range=0.02)  # linear, linear, full
+    with torch.no_grad():
+        target.lm_head.weight.mul_(20.0)
+    params = SamplingParams(1.0)
+    counts, accepted = continuation_counts(target, lambda: DFlashProposer(dflash_drafter(target)), PROMPT, params,
+                                           400)
+    assert 0.2 < accepted < 0.9
+    stat, df = chi_square(counts, exact_joint(target, PROMPT, params))
+    assert df >= 10 and stat < chi_square_bound(df), (stat, df, chi_square_bound(df))
+    res = speculative_generate(target, DFlashProposer(dflash_drafter(target)), PROMPT, 8, B, LAYERS, sampling=params,
+                               generator=torch.Generator().manual_seed(0))
+    assert res.cache_rollback == "replay"
+
+
 # ------------------------------------------------------------------------------------------ evaluate_tau, CLI
 def test_evaluate_tau_samples_reproducibly_and_reports_no_lossless_check(target):
     params = SamplingParams(0.9, top_k=8)

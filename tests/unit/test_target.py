@@ -16,10 +16,10 @@ from specring.shared.config import DEFAULT_TARGET
 from specring.shared.devices import resolve_device
 from specring.shared.errors import ConfigError
 from specring.shared.models import target
+from specring.shared.models.layer_ids import default_target_layer_ids
 from specring.shared.models.target import (
     LayerCapture,
     StopForward,
-    default_target_layer_ids,
     load_target,
     resolve_layer_ids,
 )
