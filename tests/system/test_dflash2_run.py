@@ -94,3 +94,16 @@ def test_a_dflash2_run_trains_exports_loads_back_and_evaluates(dataset, tmp_path
         assert rows["dflash2"]["tau_mean"] >= 1.0 and rows["dflash2"]["num_prompts"] == 2
         if temperature == "0":
             assert rows["dflash2"]["lossless_mismatches"] == 0
+
+
+def test_the_embedded_default_trains_a_dflash2_drafter(tmp_path):
+    """`launch.py train --drafter dflash2` on the embedded default (fixture target, demo corpus, CPU topology),
+    a few steps: the run ends done, its checkpoint is a DFlash2 one."""
+    run_dir = tmp_path / "run"
+    code, log = run_launcher(["--drafter", "dflash2", "--max-steps", "4", "--checkpoint-every", "4",
+                              "--eval-prompts", "0", "--run-dir", str(run_dir)], tmp_path / "train.log", 280)
+    assert code == 0, log[-3000:]
+    s = summary(run_dir)
+    assert s["exit_reason"] == "done" and s["trained_batches"] == 4, s
+    assert ckpt.drafter_kind(run_dir) == "dflash2"
+    assert "run done: 4/4 batches trained" in log

@@ -96,3 +96,44 @@ def test_the_registry_finds_each_family_by_name_config_and_model():
         get_family("medusa")
     with pytest.raises(TypeError):
         family_of(object())
+
+
+def test_the_selector_loss_is_the_k_way_cross_entropy_of_the_scores_by_hand():
+    """DFlash2's chunk objective on one block of B=3: candidates from the unary logits (gold inserted), the
+    gold previous token (the anchor for slot 1) as predecessor, CE over the K scores, weighted like the slot."""
+    from types import SimpleNamespace
+
+    from specring.shared.config import TrainerConfig
+    from specring.shared.drafters.contract import ObjectiveContext
+
+    torch.manual_seed(0)
+    dcfg = _tiny(DFlash2Config, conv_group_size=8, selector_rank=4, selector_top_k=3)
+    dcfg.block_size = 3
+    fam = get_family("dflash2")
+    model = fam.build(dcfg)
+    with torch.no_grad():  # a selector that is not the identity, so the scores differ from the unary logits
+        model.candidate_selector.hidden_projection.weight.normal_()
+    tc = TrainerConfig(block_size=3, selector_loss_alpha=0.5, label_source="data")
+    ctx = ObjectiveContext(model=model, tcfg=tc, dcfg=dcfg, device=torch.device("cpu"), attention="structured",
+                           max_mask_elems=2 ** 20, loss_chunk_rows=64)
+    stats = StepStats(fam.stats_layout(dcfg, tc))
+    bb = SimpleNamespace(block_input_ids=torch.tensor([7, 0, 0]))      # anchor 7, two mask slots
+    extra = fam.chunk_objective(ctx, stats, bb)
+    logits = torch.randn(2, 40)
+    hidden = torch.randn(2, 32)
+    lab = torch.tensor([[int(logits[0].argmax()), int(logits[1].argmin())]])   # slot 2's gold is not in the top 3
+    loss = extra(logits, hidden, lab, 0, 1)
+    w = loss_weights(3, tc.resolved_gamma())[1:]
+    sel = model.candidate_selector
+    expected = 0.0
+    for j, prev in enumerate([7, int(lab[0, 0])]):
+        cand = logits[j].topk(3).indices.clone()
+        gold = int(lab[0, j])
+        if gold not in cand.tolist():
+            cand[-1] = gold
+        scores = sel.scores(hidden[j:j + 1], logits[j:j + 1].gather(1, cand[None]), cand[None], torch.tensor([prev]))
+        ce = torch.nn.functional.cross_entropy(scores, torch.tensor([cand.tolist().index(gold)]))
+        expected += float(w[j]) * ce.item()
+    assert abs(loss.item() - 0.5 * expected) < 1e-5
+    host = stats.host()
+    assert host["topk_hit"] == [0.0, 1.0, 0.0] and host["selector_loss_sum"] == [pytest.approx(loss.item())]
