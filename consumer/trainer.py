@@ -45,7 +45,6 @@ from specring.shared import checkpoint as ckpt
 from specring.shared.config import RunConfig, TrainerConfig
 from specring.shared.drafters import family_of, get_family
 from specring.shared.drafters.contract import ObjectiveContext, StepStats
-from specring.shared.drafters.dflash import anchor_seed
 from specring.shared.errors import BadBatch
 
 logger = logging.getLogger(__name__)
@@ -118,7 +117,7 @@ class Trainer:
     Keyword options: ``total_steps`` (schedule length; default ``cfg.max_steps``), ``max_mask_elems``
     (mask/score budget per forward of the grouped forms, default 2**27, see ``split_sequences``),
     ``attention``: ``"flex"`` (the whole batch in one forward; block-sparse ``flex_attention`` compiled for
-    the GPU, ``shared.drafters.dflash_blocks.build_flex_mask``: only the context before each anchor and the own block are
+    the GPU, ``shared.models.draft_attention.build_flex_mask``: only the context before each anchor and the own block are
     computed), ``"dense"`` (groups of sequences, ``[Q, C+Q]`` mask into ``scaled_dot_product_attention``),
     ``"structured"`` (groups, context mask + own block, scores computed explicitly, ``Q*(C+B)`` of them:
     the cheapest on CPU) or ``"auto"`` (default: flex on CUDA, structured elsewhere; see

@@ -14,6 +14,7 @@ or the D-PACE weight (``--trainer.loss dpace``, ``dflash_blocks.dpace_weights``)
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -48,7 +49,6 @@ TARGET_LABEL_KEYS = ("target_ids", "target_topk_ids", "target_topk_logprobs")
 
 def anchor_seed(seed: int, batch_ids: list[int]) -> int:
     """63-bit generator seed from the run seed and the batch ids (stable across processes and versions)."""
-    import hashlib
     h = hashlib.sha256(f"{int(seed)}:{','.join(str(int(b)) for b in batch_ids)}".encode()).digest()
     return int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
 

@@ -1,6 +1,6 @@
 """``DFlashDraftModel`` for transformers' ``AutoModel.from_pretrained(export_dir, trust_remote_code=True)``.
 
-This module is also the modelling file of every export: ``consumer.export`` writes it as
+This module is also the modelling file of every export: ``shared.drafters.dflash_export`` writes it as
 ``modeling_dflash.py`` (``modeling_source()``) with the ``specring:inline`` import below replaced by the
 source of specring's own drafter building blocks from ``shared/models/dflash.py``, so an export needs only torch
 and transformers, and the served draft computes exactly what specring trained and evaluated (the test holds

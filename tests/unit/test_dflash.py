@@ -1,4 +1,4 @@
-"""The DFlash drafter (consumer/dflash.py): config, frozen target head, forward semantics, inference cache."""
+"""The DFlash drafter (shared/models/dflash.py): config, frozen target head, forward semantics, inference cache."""
 
 import json
 import shutil
