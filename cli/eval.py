@@ -253,6 +253,16 @@ def _progress(items: list, desc: str):
     return tqdm(items, desc=desc, unit="prompt", file=sys.stderr, leave=False, dynamic_ncols=True)
 
 
+def _close_progress_bars() -> None:
+    """Close the tqdm bars still open (a decode raised inside one), ending their line on stderr."""
+    from tqdm import tqdm
+    bars = list(getattr(tqdm, "_instances", ()))
+    for bar in bars:
+        bar.close()
+    if bars and not sys.stderr.isatty():  # off a terminal a closed bar leaves its last state on the line
+        sys.stderr.write("\n")
+
+
 def format_table(report: dict[str, Any]) -> str:
     """The report's rows as a fixed-width table."""
     def f(v, spec):
@@ -284,7 +294,8 @@ def _decoding_line(sampling: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``launch.py eval``: print the τ table (and write ``--output-json``). Exit code 0; 2 for a bad flag
-    or input; 1 when, in float32, a greedy speculative output differed from greedy decoding (a bug: decoding
+    or input; 1, with one ``error: evaluation failed: <type>: <message>`` line (no traceback), when decoding
+    raised; 1 when, in float32, a greedy speculative output differed from greedy decoding (a bug: decoding
     is lossless; with ``--temperature > 0`` there is no token check). In bfloat16/float16 that is only a
     warning: the verify forward over ``k + 1`` tokens and the one-token greedy step round differently, so a
     near-tie of the two best logits can flip."""
@@ -298,10 +309,19 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # noqa: BLE001 - decoding failed: one clear line, the traceback in the log at debug
+        logger.debug("eval failed", exc_info=True)
+        _close_progress_bars()  # the interrupted prompt bar would otherwise share the error's line
+        msg = " ".join(str(e).split())
+        print(f"error: evaluation failed: {type(e).__name__}: {msg}", file=sys.stderr)
+        return 1
     print(f"target {report['target']}  drafter {report['drafter'] or 'none'}  B={report['block_size']}  "
           f"prompt {report['prompt_len']} tokens, {report['max_new_tokens']} new, {report['device']} "
           f"{report['dtype']}, {_decoding_line(report['sampling'])}")
     print(format_table(report))
+    if any(r.get("cache_rollback") == "replay" for r in report["rows"]):
+        print("target cache: linear-attention states restored after a partial acceptance and the accepted tokens "
+              "re-run (counted in fwd/tok)")
     if args.output_json:
         Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output_json).write_text(json.dumps(report, indent=1) + "\n")

@@ -102,6 +102,11 @@ def train_main(argv: list[str]) -> int:
             f"skipped {s['skipped_batches']}), "
             f"loss {_fmt(s['loss_first'])} -> {_fmt(s['loss_last'])}, {s['tokens_per_s']:,.0f} tokens/s, "
             f"{s['elapsed_s']:.0f} s, restarts {restarts}")
+    failures = s.get("eval_failures") or []
+    if failures:  # training went on, but tau is missing for these steps: never silent
+        last = failures[-1]
+        line += (f", tau evaluation FAILED {len(failures)}x (steps {[f['step'] for f in failures]}; last: "
+                 f"{last['error'][:200]}; see {Path(cfg.run_dir) / 'eval.jsonl'} and logs/consumer-0.log)")
     if s.get("tau_last"):
         line += f"\ntau {s['tau_last']['tau_mean']:.3f} at step {s['tau_last']['step']} ({Path(cfg.run_dir) / 'eval.jsonl'})"
     if s["exit_reason"] == "nothing_trained":

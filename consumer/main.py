@@ -147,8 +147,9 @@ def body(ctx: ChildContext) -> None:
             evaluator = CheckpointEvaluator(cfg, device, ctx.run_dir, prompt_len=cfg.trainer.eval_prompt_len)
             try:  # at start-up, where a long load of the target is expected (startup_timeout_s)
                 evaluator.load()
-            except Exception as e:  # tau during training is optional: training goes on without it
+            except Exception as e:  # tau during training is optional: training goes on without it, said aloud
                 log.error("tau_eval_disabled error=%s: %s", type(e).__name__, e)
+                evaluator.record_failure(trainer.step_count, e, stage="load")  # eval.jsonl: the supervisor names it
                 evaluator = None
         compile_s = trainer.warm_up()  # before Hello: a cold compile is start-up (startup_timeout_s), not a hang
         if compile_s:
@@ -190,7 +191,7 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
         try:  # a long evaluation is neither a hang nor a stuck shutdown: each prompt has the batch budget
             with ctx.working(f"eval step {trainer.step_count}"):
                 evaluator(trainer.model, trainer.step_count, last_loss, on_prompt=on_prompt)
-        except Exception as e:  # an evaluation problem must not stop training
+        except Exception as e:  # an evaluation problem must not stop training; eval.jsonl records it (tau.py)
             log.error("tau_eval_failed step=%d error=%s: %s", trainer.step_count, type(e).__name__, e)
 
     def checkpoint(with_eval: bool = True) -> None:

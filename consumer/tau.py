@@ -1,7 +1,9 @@
 """τ of the live drafter at training checkpoints: ``CheckpointEvaluator`` (rank 0 of the consumers).
 
 It decodes with ``specring.shared.models.speculative`` against its own copy of the target and appends a
-record per evaluation to ``RUN_DIR/eval.jsonl``.
+record per evaluation to ``RUN_DIR/eval.jsonl``; an evaluation that raises appends a failure record there
+instead (``record_failure``: ``error`` set, ``tau_mean`` null), which the supervisor names in its progress line,
+in ``summary.json`` (``eval_failures``) and in the run's last line.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ class CheckpointEvaluator:
     long load is not mistaken for a hang mid-run; ``__call__`` loads it if nobody did) on the consumer's
     device in the producers' dtype (``random_weights`` honoured) and kept; prompts are the first ``prompt_len`` tokens of
     ``num_prompts`` held-out samples. Each evaluation appends ``{"step", "tau_mean", "tau_p50", "tau_p90",
-    "forwards_per_token", "loss", "time"}`` to ``RUN_DIR/eval.jsonl`` and logs ``tau step=... tau=...``.
+    "forwards_per_token", "loss", "time"}`` to ``RUN_DIR/eval.jsonl`` and logs ``tau step=... tau=...``; one that
+    raises appends ``record_failure``'s record and raises again (the consumer logs it and trains on).
     Costs one extra copy of the target's weights on the consumer's device.
 
     ``$SPECRING_SLOW_EVAL_S`` (tests and drills only, ``shared.faults``) sleeps that many seconds after each prompt.
@@ -71,15 +74,37 @@ class CheckpointEvaluator:
         # decoding shapes differ from training's: run the compiled draft layers eagerly instead of compiling
         # new graphs in the middle of a run
         stance = getattr(torch.compiler, "set_stance", None)
-        with stance("force_eager") if stance is not None else contextlib.nullcontext():
-            r = evaluate_tau(self.target, drafter, self.prompts, tc.eval_max_new_tokens, pc.target_layer_ids,
-                             on_prompt=after_prompt)
+        try:
+            if faults.fail_eval():
+                raise RuntimeError(f"{faults.FAIL_EVAL_ENV}=1: this tau evaluation fails on purpose")
+            with stance("force_eager") if stance is not None else contextlib.nullcontext():
+                r = evaluate_tau(self.target, drafter, self.prompts, tc.eval_max_new_tokens, pc.target_layer_ids,
+                                 on_prompt=after_prompt)
+        except Exception as e:
+            self.record_failure(step, e, eval_s=time.perf_counter() - t0)
+            raise
         rec = {"step": int(step), "tau_mean": r["tau_mean"], "tau_p50": r["tau_p50"], "tau_p90": r["tau_p90"],
-               "forwards_per_token": r["forwards_per_token"], "loss": loss, "prompts": len(self.prompts),
+               "forwards_per_token": r["forwards_per_token"], "cache_rollback": r.get("cache_rollback"),
+               "loss": loss, "prompts": len(self.prompts),
                "eval_s": round(time.perf_counter() - t0, 2), "time": time.time()}
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         logger.info("tau step=%d tau=%.3f p50=%s p90=%s forwards_per_token=%.3f loss=%s prompts=%d eval_s=%.1f",
                     step, rec["tau_mean"], rec["tau_p50"], rec["tau_p90"], rec["forwards_per_token"],
                     "-" if loss is None else f"{loss:.3f}", len(self.prompts), rec["eval_s"])
+        return rec
+
+    def record_failure(self, step: int, error: BaseException, stage: str = "eval",
+                       eval_s: float | None = None) -> dict[str, Any]:
+        """Append the record of a failed evaluation to ``eval.jsonl`` and return it: ``{"step", "tau_mean": None,
+        "error": "<type>: <message>" (one line, at most 500 characters), "stage" (``eval``, or ``load`` when the
+        target or the prompts did not load), "eval_s", "time"}``. Never raises (a full disk is logged)."""
+        text = " ".join(f"{type(error).__name__}: {error}".split())[:500]
+        rec = {"step": int(step), "tau_mean": None, "error": text, "stage": stage,
+               "eval_s": None if eval_s is None else round(eval_s, 2), "time": time.time()}
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+        except OSError as e:
+            logger.error("tau_eval_record_failed path=%s error=%s", self.path, e)
         return rec

@@ -27,6 +27,9 @@ does not parse is a ``ConfigError`` naming the variable. The hooks:
     (``slow_checkpoint_s``, ``shared.checkpoint``).
 ``SPECRING_SLOW_EVAL_S=<seconds>``
     The consumer's tau evaluation sleeps this long after each prompt (``slow_eval_s``, ``consumer.tau``).
+``SPECRING_FAIL_EVAL=1``
+    The consumer's tau evaluation raises ``RuntimeError`` before its first prompt (``fail_eval``,
+    ``consumer.tau``), so a test can see that a failed evaluation is named, not silent.
 
 ``SPECRING_RUN_ID`` is no hook: it marks a run's processes (``shared.procs``).
 """
@@ -50,6 +53,7 @@ SLOW_WRITE_ENV = "SPECRING_SLOW_WRITE_S"
 INJECT_NONFINITE_ENV = "SPECRING_INJECT_NONFINITE"
 SLOW_CHECKPOINT_ENV = "SPECRING_SLOW_CHECKPOINT_S"
 SLOW_EVAL_ENV = "SPECRING_SLOW_EVAL_S"
+FAIL_EVAL_ENV = "SPECRING_FAIL_EVAL"
 _warned: set[str] = set()  # hooks whose "fault ..." line this process has logged
 
 
@@ -127,6 +131,15 @@ def slow_checkpoint_s() -> float:
 def slow_eval_s() -> float:
     """``$SPECRING_SLOW_EVAL_S``: seconds the tau evaluation sleeps after each prompt (0 when unset)."""
     return _seconds_hook(SLOW_EVAL_ENV)
+
+
+def fail_eval() -> bool:
+    """``$SPECRING_FAIL_EVAL``: whether the tau evaluation is to raise (logged once when on)."""
+    on = flag(FAIL_EVAL_ENV)
+    if on and FAIL_EVAL_ENV not in _warned:
+        _warned.add(FAIL_EVAL_ENV)
+        log.warning("fault %s=1: every tau evaluation raises", FAIL_EVAL_ENV)
+    return on
 
 
 def parse_batch_ids(text: str | None) -> set[int]:

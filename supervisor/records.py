@@ -4,7 +4,8 @@
 supervisor saw: tokens/s between the first and the latest optimizer step, duty cycles and starvation
 (``shared.balance``), ring occupancy and restarts for the trackers of ``--report-to`` (``supervisor.reporting``),
 the last checkpoint (from messages, or from disk when its message was lost), the batches ``--resume`` will
-train, and at the end ``summary.json`` (its fields are listed in README "Outputs").
+train, the τ evaluations that failed (``eval.jsonl``), and at the end ``summary.json`` (its fields are listed in
+README "Outputs").
 
 State it uses on the supervisor: ``coordinator``, ``producers``/``consumers``, ``balance``, ``reporter``,
 ``progress``, ``run_dir``, ``run_id``, ``trained_steps``, ``trained_at_start``, ``last_checkpoint``, the
@@ -92,14 +93,58 @@ class RunRecords:
                 saved.update(ids)
         return sum(1 for b in co.order if b not in saved and b not in co.bad)
 
-    def _tau_last(self) -> dict | None:
-        """``{"step", "tau_mean"}`` of the last record in ``eval.jsonl`` (None without one)."""
+    def _eval_records(self) -> list[dict]:
+        """The records of ``eval.jsonl`` (τ at checkpoints, and failed evaluations), read again only when the file
+        changed since the last call (its inode, size or modification time); lines that do not parse are skipped."""
+        path = self.run_dir / "eval.jsonl"
         try:
-            lines = (self.run_dir / "eval.jsonl").read_text().splitlines()
-            rec = json.loads(lines[-1])
-            return {"step": int(rec["step"]), "tau_mean": float(rec["tau_mean"])}
-        except (OSError, IndexError, ValueError, KeyError, TypeError):
-            return None
+            st = os.stat(path)
+        except OSError:
+            self._eval_cache = (None, [])
+            return []
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = getattr(self, "_eval_cache", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        recs = []
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            lines = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                recs.append(rec)
+        self._eval_cache = (key, recs)
+        return recs
+
+    def poll_eval_failures(self) -> list[dict]:
+        """The τ evaluations that raised, from ``eval.jsonl`` (``consumer.tau.CheckpointEvaluator.record_failure``):
+        ``[{"step", "error"}]`` in the order they happened; each new one is logged once (``eval_failed step=...``).
+        Called about once a second by the loop and once more before the summary is written."""
+        out = [{"step": int(r.get("step", -1)), "error": str(r["error"])}
+               for r in self._eval_records() if r.get("error")]
+        seen = getattr(self, "eval_failures", [])
+        for f in out[len(seen):] if out[:len(seen)] == seen else out:
+            log.error("eval_failed step=%d error=%s: tau could not be measured (training goes on; see "
+                      "logs/consumer-0.log)", f["step"], f["error"])
+        self.eval_failures = out
+        return out
+
+    def _tau_last(self) -> dict | None:
+        """``{"step", "tau_mean"}`` of the last measured record in ``eval.jsonl`` (failures skipped; None without
+        one)."""
+        for rec in reversed(self._eval_records()):
+            try:
+                if rec.get("error") or rec.get("tau_mean") is None:
+                    continue
+                return {"step": int(rec["step"]), "tau_mean": float(rec["tau_mean"])}
+            except (KeyError, TypeError, ValueError):
+                continue
+        return None
 
     def _write_summary(self, outcome: Outcome) -> None:
         co = self.coordinator
@@ -129,6 +174,8 @@ class RunRecords:
             "refused_commands": self.refused_commands,
             "last_checkpoint": self.last_checkpoint,
             "tau_last": self._tau_last(),
+            # τ evaluations that raised ({step, error}); training went on without them
+            "eval_failures": self.poll_eval_failures(),
             # duty cycle of producers, starvation of consumers, capacity per process (shared.balance)
             "balance": self._balance(steady=True),
         }

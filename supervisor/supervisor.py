@@ -128,6 +128,7 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
         self.stop_from_node0 = False
         self.remote_producer_deaths: dict[int, int] = {}  # node 0: global producer index -> deaths reported
         self._last_turn: float | None = None  # when the loop last turned (ChildLifecycle._credit_own_stall)
+        self.eval_failures: list[dict] = []  # τ evaluations that raised (RunRecords.poll_eval_failures)
 
     def _setup(self) -> None:
         cfg = self.cfg
@@ -212,7 +213,12 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
             self._cleanup()
             for s, h in old_handlers.items():
                 signal.signal(s, h)
-            self.progress.close(self.tokens_per_s())
+            try:
+                failures = self.poll_eval_failures()
+            except Exception as e:  # noqa: BLE001 - never in the way of the summary
+                log.error("eval_failures unreadable error=%s: %s", type(e).__name__, e)
+                failures = None
+            self.progress.close(self.tokens_per_s(), eval_failures=failures)
             try:
                 self._report(final=True)
             except Exception as e:  # noqa: BLE001 - a tracker never changes the run's outcome
@@ -267,7 +273,8 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
                 self._kill_orphans()  # e.g. a daemon that a live child's helper double-forked
-                self.progress.refresh(co, self.producers, self.tokens_per_s(), self._balance(steady=False))
+                self.progress.refresh(co, self.producers, self.tokens_per_s(), self._balance(steady=False),
+                                      eval_failures=self.poll_eval_failures())
                 write_status(self.run_dir, self.run_id, self.status_rows())
                 self._report()
 

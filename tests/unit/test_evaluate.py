@@ -1,4 +1,4 @@
-"""Speculative decoding and τ (consumer/evaluate.py, consumer/ngram.py) on the fixture target, fp32 CPU.
+"""Speculative decoding and τ (shared/models/speculative.py, shared/models/ngram.py) on the fixture target, fp32 CPU.
 
 Prompts are held-out stdlib code (files the fixture never trained on, by ``shared.prepare.is_heldout``),
 tokenized here so the tests need no prepared demo corpus.
@@ -354,3 +354,25 @@ def test_cli_reports_checkpoint_and_baselines_losslessly(tmp_path, prompts, dcfg
     assert "tau mean" in capsys.readouterr().out
     assert main(["--num-prompts", "0", "--data", str(data)]) == 2
     assert main(["--drafter", str(tmp_path / "nowhere"), "--data", str(data)]) == 2
+
+
+def test_cli_names_a_decoding_failure_in_one_line_and_exits_1(tmp_path, prompts, capsys, monkeypatch):
+    """Issue 24: a decode that raises (as a hybrid target's cache crop once did) is one ``error:`` line, exit 1,
+    no traceback."""
+    import specring.cli.eval as cli_eval
+
+    data = _write_arrow(tmp_path / "heldout.arrow", [p + p for p in prompts[:1]])
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("crop was called, but the current layer does not track past states.\nCall it first")
+
+    monkeypatch.setattr(cli_eval, "speculative_generate", broken)
+    capsys.readouterr()
+    rc = main(["--baselines-only", "--baselines", "prompt-lookup", "--data", str(data), "--num-prompts", "1",
+               "--prompt-len", "48", "--max-new-tokens", "4", "--device", "cpu", "--no-lossless-check"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    lines = [x for x in err.splitlines() if x.startswith("error")]
+    assert lines == ["error: evaluation failed: RuntimeError: crop was called, but the current layer does not "
+                     "track past states. Call it first"], err
+    assert "Traceback" not in err

@@ -32,3 +32,22 @@ def test_progress_line_carries_the_balance_figures_when_given(caplog):
         p.refresh(co, [SimpleNamespace(index=0, restarts=0)], 10.0,
                   {"producer_duty_cycle": 0.934, "consumer_starvation": None})
     assert caplog.records[-1].getMessage().endswith("restarts=0 duty=0.93 starved=-")
+
+
+def test_a_failed_tau_evaluation_is_named_in_the_progress_line(caplog):
+    """Issue 24: a τ evaluation that raised is not only in the consumer's log; the live line and the closing one
+    name it (count, step, error), the closing one with failures found after the last refresh too."""
+    co = Coordinator([Batch(batch_id=0, epoch=0, sample_ids=(0,), pad_to=8)], num_producers=1, num_slots=2,
+                     num_consumers=1)
+    p = Progress(total_steps=1, num_producers=1, log_interval_s=0.0, interactive=False)
+    producers = [SimpleNamespace(index=0, restarts=0)]
+    first = {"step": 5, "error": "RuntimeError: crop was called, but the current layer does not track past states"}
+    with caplog.at_level(logging.INFO, logger="specring.supervisor.progress"):
+        p.refresh(co, producers, 10.0)
+        assert "eval_failed" not in caplog.records[-1].getMessage()
+        p.refresh(co, producers, 10.0, eval_failures=[first])
+        assert caplog.records[-1].getMessage().endswith(f"restarts=0 eval_failed=1 (step 5: {first['error']})")
+        p.close(tokens_per_s=9.0, eval_failures=[first, {"step": 10, "error": "ValueError: " + "x" * 300}])
+    last = caplog.records[-1].getMessage()
+    assert last.count("eval_failed=") == 1 and "eval_failed=2 (step 10: ValueError: xxx" in last
+    assert last.endswith("...)") and len(last) < 250
