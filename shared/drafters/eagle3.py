@@ -68,6 +68,15 @@ class Eagle3Family(DrafterFamily):
                     f"vocabulary is the whole vocabulary"]
         return []
 
+    def check_run(self, run) -> None:
+        """Refuse the block-drafter options EAGLE-3 has no use for (``ConfigError`` naming the flag)."""
+        from specring.shared.errors import ConfigError
+        t = run.trainer
+        for key, bad in (("trainer.loss", t.loss != "ce"), ("trainer.sliding_window", t.sliding_window is not None)):
+            if bad:
+                detail = "applies to the DFlash families (block drafters), not to drafter eagle3"
+                raise ConfigError(f"{run.origin(key)}: {detail}", key=key, detail=detail)
+
     # ------------------------------------------------------------------ model
     def build(self, dcfg, target_dir=None, *, draft_vocab=None) -> nn.Module:
         if draft_vocab is None:

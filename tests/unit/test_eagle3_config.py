@@ -85,6 +85,17 @@ def test_eagle3_target_layers_are_checked_against_the_target(argv, match, data, 
         resolve_run(cfg)
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["--trainer.loss", "dpace"], r"^--trainer.loss: applies to the DFlash families"),
+    (["--trainer.sliding-window", "64"], r"^--trainer.sliding-window: applies to the DFlash families"),
+])
+def test_block_drafter_options_are_refused_for_eagle3(argv, match, data, tmp_path):
+    cfg = parse("--drafter", "eagle3", "--data", str(data), "--run-dir", str(tmp_path / "r"), "--eval-prompts", "0",
+                *argv)
+    with pytest.raises(ConfigError, match=match):
+        resolve_run(cfg)
+
+
 def test_resolved_eagle3_run_and_plan(data, tmp_path, capsys):
     cfg = parse("--drafter", "eagle3", "--data", str(data), "--run-dir", str(tmp_path / "r"), "--eval-prompts", "0")
     plan = resolve_run(cfg)
