@@ -91,6 +91,20 @@ class DFlashFamily(DrafterFamily):
                     f"{layer_ids.DEFAULT_NUM_TARGET_LAYERS} on deeper targets)"]
         return []
 
+    DFLASH2_ONLY = ("conv_kernel_size", "conv_group_size", "selector_top_k", "selector_rank", "selector_loss_alpha")
+
+    def check_run(self, run) -> None:
+        """Refuse DFlash2's options on a DFlash run, where they would be ignored (``ConfigError`` naming the flag)."""
+        import dataclasses
+
+        from specring.shared.errors import ConfigError
+        defaults = {f.name: f.default for f in dataclasses.fields(run.trainer)}
+        for name in self.DFLASH2_ONLY:
+            if getattr(run.trainer, name) != defaults[name]:
+                key = f"trainer.{name}"
+                detail = f"a DFlash2 option; this run trains drafter {self.name} (pass --drafter dflash2)"
+                raise ConfigError(f"{run.origin(key)}: {detail}", key=key, detail=detail)
+
     def plan_line(self, run, plan) -> str:
         t = run.trainer
         loss = "" if t.loss == "ce" else f", loss {t.loss} (alpha {t.dpace_alpha})"

@@ -74,6 +74,9 @@ class DFlash2Family(DFlashFamily):
                 "conv_group_size": t.conv_group_size, "selector_top_k": t.selector_top_k,
                 "selector_rank": t.selector_rank}
 
+    def check_run(self, run) -> None:
+        """Every DFlash option applies; so do DFlash2's own (checked by ``DFlash2Config``)."""
+
     def plan_extra(self, run) -> str:
         t = run.trainer
         return (f", conv kernel {t.conv_kernel_size} group {t.conv_group_size}, selector top-K {t.selector_top_k} "

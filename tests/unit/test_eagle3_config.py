@@ -199,3 +199,14 @@ def test_the_supervisor_builds_the_vocabulary_once_and_reads_it_back_on_resume(d
     dflash = parse("--data", str(data), "--run-dir", str(tmp_path / "d"), "--eval-prompts", "0")
     assert prepare_draft_vocab(dflash, resolve_run(dflash)) == ""
     assert not (tmp_path / "d" / DRAFT_VOCAB_FILE).exists()
+
+
+def test_dflash2_options_are_refused_on_a_dflash_run(data, tmp_path):
+    cfg = parse("--data", str(data), "--run-dir", str(tmp_path / "r"), "--eval-prompts", "0",
+                "--trainer.selector-top-k", "8")
+    with pytest.raises(ConfigError, match=r"^--trainer.selector-top-k: a DFlash2 option; this run trains drafter "
+                                          r"dflash"):
+        resolve_run(cfg)
+    ok = parse("--drafter", "dflash2", "--data", str(data), "--run-dir", str(tmp_path / "r2"), "--eval-prompts", "0",
+               "--trainer.selector-top-k", "8")
+    assert resolve_run(ok).target_layer_ids
