@@ -284,24 +284,30 @@ class CandidateSelector(nn.Module):
         n, dev = logits.shape[0], logits.device
         k = min(self.top_k, logits.shape[-1])
         unary, cand = torch.topk(logits.float(), k, dim=-1, sorted=True)
-        z = self.project(hidden)
-        path = torch.empty(n, dtype=torch.long, device=dev)
-        qs = []
-        pred = torch.as_tensor(int(anchor), dtype=torch.long, device=dev).view(1)
+        if n == 0:
+            return cand[:, 0], cand, (torch.empty(0, k, device=dev) if t > 0 else None)
+        # every slot's scores for every possible predecessor at once: slot 0's one predecessor is the anchor,
+        # slot i's are the K candidates of slot i - 1; then the walk runs on the host over [n, K, K] numbers
+        # (one transfer instead of a few kernels and a round trip per slot)
+        z = self.project(hidden).to(self.predecessor_codebook.weight.dtype)                          # [n, R]
+        preds = torch.cat([torch.full((1, k), int(anchor), dtype=torch.long, device=dev), cand[:-1]])  # [n, K]
+        e = self.predecessor_codebook(preds) * z[:, None, :]                                         # [n, K, R]
+        pair = torch.einsum("npr,nkr->npk", e, self.successor_codebook(cand)).float()                # [n, Kp, K]
+        table = (unary[:, None, :] + pair).cpu()
+        cand_host = cand.cpu()
+        idx_path, qs, prev = [], [], 0
         for i in range(n):
-            sc = self.pair_scores(z[i:i + 1], unary[i:i + 1], cand[i:i + 1], pred)[0]
+            sc = table[i, prev]
             if t > 0:
                 qi = torch.softmax(sc / float(t), dim=-1)
-                if generator is not None and generator.device != qi.device:
-                    idx = torch.multinomial(qi.cpu(), 1, generator=generator).to(dev)
-                else:
-                    idx = torch.multinomial(qi, 1, generator=generator)
+                prev = int(torch.multinomial(qi, 1, generator=generator if generator is None
+                                             or generator.device.type == "cpu" else None))
                 qs.append(qi)
             else:
-                idx = sc.argmax().view(1)
-            pred = cand[i, idx]
-            path[i] = pred[0]
-        q = (torch.stack(qs) if qs else torch.empty(0, k, device=dev)) if t > 0 else None
+                prev = int(sc.argmax())
+            idx_path.append(prev)
+        path = cand_host[torch.arange(n), torch.tensor(idx_path)].to(dev)
+        q = torch.stack(qs).to(dev) if t > 0 else None
         return path, cand, q
 
 
