@@ -23,6 +23,7 @@ from specring.shared.data.dataset import Batch, BatchPlan, TokenDataset
 from specring.shared.drafters import get_family
 from specring.shared.devices import DTYPE_NAMES, resolve_device, resolve_device_group, resolve_dtype
 from specring.shared.errors import ConfigError
+from specring.shared.models.layer_ids import describe_capture, layer_kinds
 from specring.shared.models.target_config import read_target_config, text_config
 from specring.shared.transport import layout
 from specring.shared.transport.ring import PAGE, segment_bytes, shm_free_bytes
@@ -52,6 +53,7 @@ class RunPlan:
     batch_plan: Any = None      # the BatchPlan whose epochs, concatenated, ``order`` is the start of
     vocab_size: int = 0         # the target's vocabulary (config.json), 0 when it does not say
     draft_vocab_size: int = 0   # eagle3: the draft vocabulary size, --draft-vocab capped at the target's vocabulary
+    layer_kinds: list[str] | None = None  # each decoder layer's token mixer (shared.models.layer_ids.layer_kinds)
 
     def first_batches(self, n: int) -> list[Batch]:
         """The first ``n`` batches of the batch plan's epochs concatenated: the order of a run of ``n``
@@ -73,6 +75,8 @@ class RunPlan:
             f"run_dir: {cfg.run_dir}",
             f"target: {cfg.producer.target}  ({self.num_layers} layers, hidden {self.hidden_size})",
             f"target layers captured: {self.target_layer_ids}",
+            *([f"target layer kinds: {line}"] if (line := describe_capture(self.layer_kinds, self.target_layer_ids))
+              else []),
             f"data: {cfg.data.data}  ({self.data_samples} samples, {self.data_tokens} tokens, {self.data_digest[:19]})",
             f"producers: {n}  devices {cfg.producer.devices}  dtype {self.dtype_per_producer}",
             f"consumers: {len(cfg.trainer.devices)}  devices {cfg.trainer.devices}  "
@@ -303,4 +307,5 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
                    hidden_size=H, num_layers=L, dtype_per_producer=[DTYPE_NAMES[d] for d in dtypes],
                    plan_summary=plan.summary(), notes=notes, data_digest=ds.content_digest(), data_samples=len(ds),
                    data_tokens=ds.num_tokens, batch_plan=plan, vocab_size=vocab,
-                   draft_vocab_size=min(cfg.trainer.draft_vocab, vocab or cfg.trainer.draft_vocab) if family.needs_draft_vocab else 0)
+                   draft_vocab_size=min(cfg.trainer.draft_vocab, vocab or cfg.trainer.draft_vocab) if family.needs_draft_vocab else 0,
+                   layer_kinds=layer_kinds(shape, L))

@@ -8,6 +8,12 @@ order of the ids.
   ``default_target_layer_ids``; ``resolve_layer_ids`` validates what the user asked for.
 * EAGLE-3: three layers, low, middle and high (``default_eagle3_layer_ids``; SpecForge/EAGLE's
   ``hidden_states[2], [L//2], [L-3]`` in this convention); ``resolve_eagle3_layer_ids`` validates.
+* Hybrid stacks (Qwen3.5 / Qwen3.6 / Qwen3-Next: Gated DeltaNet linear-attention layers with a full-attention
+  layer every 4th): the same rules over all layers, whatever each layer's kind, as z-lab's drafters for them
+  choose (z-lab/Qwen3.5-27B-DFlash ``[1, 16, 31, 46, 61]`` of 64 layers, z-lab/Qwen3.6-35B-A3B-DFlash
+  ``[1, 10, 19, 28, 37]`` of 40: mostly linear-attention layers); what is captured is always the residual stream
+  after the layer. ``layer_kinds`` reads each layer's kind from a config, ``describe_capture`` states the choice
+  for ``train --plan``.
 
 Every rule raises ``shared.errors.ConfigError`` with ``key`` set to the config field at fault
 (``target_layer_ids`` or ``num_target_layers``, fields of ``producer``).
@@ -139,3 +145,41 @@ def resolve_eagle3_layer_ids(num_layers: int, ids: Sequence[int] | None, n: int 
                            f"EAGLE-3 needs three distinct target layer ids (low, middle, high) in 0..{num_layers - 1} "
                            f"(the target has {num_layers} layers), got {chosen}")
     return chosen
+
+
+# ------------------------------------------------------------------------------------------------ hybrid stacks
+def layer_kinds(cfg: dict, num_layers: int | None = None) -> list[str] | None:
+    """The token mixer of each decoder layer of a target text config ``cfg`` (``target_config.text_config``), as
+    transformers names them: its ``layer_types`` (``full_attention``, ``linear_attention``, ``sliding_attention``,
+    ...), else, for a config that states only ``full_attention_interval`` (Qwen3-Next's published config.json),
+    every ``interval``-th layer ``full_attention`` and the others ``linear_attention`` (the rule of transformers'
+    ``Qwen3NextConfig``). None when the config says nothing (a homogeneous stack) or lists another number of
+    layers than ``num_layers`` (default ``cfg["num_hidden_layers"]``)."""
+    n = int(num_layers if num_layers is not None else cfg.get("num_hidden_layers") or 0)
+    kinds = cfg.get("layer_types")
+    if kinds is None and cfg.get("full_attention_interval"):
+        every = int(cfg["full_attention_interval"])
+        kinds = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    if not isinstance(kinds, (list, tuple)) or len(kinds) != n or not all(isinstance(k, str) for k in kinds):
+        return None
+    return list(kinds)
+
+
+def describe_capture(kinds: Sequence[str] | None, ids: Sequence[int]) -> str | None:
+    """One line for ``train --plan`` on a target whose layers are of several kinds (a hybrid stack such as
+    Qwen3.5 / Qwen3-Next: Gated DeltaNet linear attention with a full-attention layer every 4; sliding and full
+    attention), None on a homogeneous one. The captured features are the residual stream after each chosen decoder layer whatever its
+    kind, and the default ids are the even spread of the DFlash rule over all layers, the same as z-lab's
+    drafters for these targets choose: z-lab/Qwen3.5-27B-DFlash (64 layers) captures ``[1, 16, 31, 46, 61]`` and
+    z-lab/Qwen3.6-35B-A3B-DFlash (40 layers) ``[1, 10, 19, 28, 37]``, ``build_target_layer_ids(L, 5)``, mostly
+    linear-attention layers."""
+    if not kinds or len(set(kinds)) < 2:
+        return None
+    counts: dict[str, int] = {}
+    for k in kinds:
+        counts[k] = counts.get(k, 0) + 1
+    stack = " + ".join(f"{n} {k}" for k, n in counts.items())
+    picked = ", ".join(f"{i} {kinds[i]}" for i in ids if 0 <= i < len(kinds))
+    return (f"hybrid stack ({stack}); captured: {picked}: the residual stream after each decoder layer, whatever "
+            "its kind (z-lab's DFlash drafters for the Qwen3.5 / Qwen3.6 hybrids spread their ids over all layers "
+            "the same way)")

@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 def check_checkpoint(path: str | Path, trust_remote_code: bool = False):
     """The checkpoint's ``PretrainedConfig``, after checking that ``path`` is a local causal-LM checkpoint.
 
-    Cheap (reads ``config.json`` only), so callers can validate layer ids before loading weights. With
+    Cheap (reads ``config.json`` only), so callers can validate layer ids before loading weights. A
+    vision-language checkpoint (``*ForConditionalGeneration`` with a ``text_config``, e.g. Qwen3.5) is accepted when
+    its ``model_type`` has an ``AutoModelForCausalLM`` class: transformers then loads the language model alone. With
     ``trust_remote_code`` a model type outside transformers is accepted when the directory's ``auto_map`` names
     its ``AutoModelForCausalLM`` class (``--trust-remote-code``). Raises ``ConfigError`` naming the path and
     the problem (see ``load_target``).
@@ -69,7 +71,11 @@ def check_checkpoint(path: str | Path, trust_remote_code: bool = False):
                           f"has no AutoModelForCausalLM class")
     archs = raw.get("architectures") or []
     causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
-    if archs and not remote and not any(a in causal_names or a.endswith("ForCausalLM") for a in archs):
+    # a vision-language checkpoint (Qwen3.5 / Qwen3.5-MoE publish Qwen3_5*ForConditionalGeneration) whose
+    # model_type transformers maps to a causal LM: AutoModelForCausalLM loads its language model alone
+    multimodal = "text_config" in raw and all(a.endswith("ForConditionalGeneration") for a in archs)
+    if archs and not remote and not multimodal and \
+            not any(a in causal_names or a.endswith("ForCausalLM") for a in archs):
         raise ConfigError(f"target {str(path)!r} is not a causal language model: its architectures are "
                           f"{archs} (expected a *ForCausalLM class such as "
                           f"{MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]})")

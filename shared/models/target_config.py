@@ -32,5 +32,25 @@ def read_target_config(target_dir: str | Path, flag: str = "--target") -> dict:
 
 
 def text_config(raw: dict) -> dict:
-    """The language-model part of a target config (multimodal configs nest it in ``text_config``)."""
-    return raw.get("text_config", raw) if "hidden_size" not in raw else raw
+    """The language-model part of a target config (multimodal configs nest it in ``text_config``: Qwen3.5 and
+    Qwen3.5-MoE publish ``Qwen3_5*ForConditionalGeneration`` checkpoints whose language model transformers loads as
+    a causal LM).
+
+    A stack whose every MLP is a mixture of experts may publish no dense ``intermediate_size`` (Qwen3.5-MoE:
+    ``moe_intermediate_size`` and ``shared_expert_intermediate_size`` only). The drafters' dense MLP layers then
+    take ``dense_intermediate_size``'s width, added to the returned dict (a copy; ``raw`` is left as it is)."""
+    cfg = raw.get("text_config", raw) if "hidden_size" not in raw else raw
+    if isinstance(cfg, dict) and "intermediate_size" not in cfg and "moe_intermediate_size" in cfg \
+            and "hidden_size" in cfg:
+        cfg = {**cfg, "intermediate_size": dense_intermediate_size(cfg)}
+    return cfg
+
+
+def dense_intermediate_size(cfg: dict) -> int:
+    """The MLP width of a dense drafter layer for a target text config ``cfg``: its ``intermediate_size`` when it has
+    one (dense stacks, Qwen3-Next, gpt-oss's per-expert width), else ``3 * hidden_size``, the width z-lab's DFlash
+    drafter for the MoE-only Qwen3.6-35B-A3B (hidden 2048) has (``intermediate_size`` 6144 in
+    z-lab/Qwen3.6-35B-A3B-DFlash's config.json). Raises ``KeyError`` when ``cfg`` has neither field."""
+    if cfg.get("intermediate_size"):
+        return int(cfg["intermediate_size"])
+    return 3 * int(cfg["hidden_size"])

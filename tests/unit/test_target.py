@@ -258,3 +258,57 @@ def test_capture_rejects_bad_ids(tiny):
     model, _ = tiny
     with pytest.raises(ConfigError, match=r"\[8\]"):
         LayerCapture(model, [1, 8])
+
+
+# ------------------------------------------------------------------------------------------ hybrid and MoE targets
+def test_a_vision_language_qwen3_5_checkpoint_loads_as_its_language_model(tmp_path):
+    """Qwen3.5 publishes Qwen3_5ForConditionalGeneration checkpoints (text_config nested); specring takes them as
+    targets: transformers loads the language model alone, with the full model's logits."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from specring.shared.models.dflash import DFlashConfig
+    from tests.support import tiny_target_config
+
+    text = tiny_target_config("qwen3_5", vocab_size=512).to_dict()
+    cfg = Qwen3_5Config(text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
+                                                             num_heads=2, out_hidden_size=32),
+                        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    full = Qwen3_5ForConditionalGeneration(cfg).eval()
+    full.save_pretrained(tmp_path / "q35")
+    assert json.loads((tmp_path / "q35" / "config.json").read_text())["architectures"] == \
+        ["Qwen3_5ForConditionalGeneration"]
+    model, _ = load_target(tmp_path / "q35", "cpu", "float32")
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, full(input_ids=ids).logits)
+    dcfg = DFlashConfig.from_target(tmp_path / "q35", [1, 2], mask_token_id=3)
+    assert (dcfg.hidden_size, dcfg.vocab_size, dcfg.intermediate_size) == (32, 512, 64)
+
+
+def test_layer_kinds_come_from_layer_types_or_the_full_attention_interval():
+    from specring.shared.models.layer_ids import describe_capture, layer_kinds
+
+    assert layer_kinds({"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}) == \
+        ["linear_attention"] * 3 + ["full_attention"]
+    assert layer_kinds({"num_hidden_layers": 8, "full_attention_interval": 4}) == \
+        (["linear_attention"] * 3 + ["full_attention"]) * 2            # Qwen3-Next's published form
+    assert layer_kinds({"num_hidden_layers": 4}) is None                 # a homogeneous stack says nothing
+    assert layer_kinds({"num_hidden_layers": 4, "layer_types": ["full_attention"] * 3}) is None  # inconsistent
+    line = describe_capture(["linear_attention"] * 3 + ["full_attention"], [1, 3])
+    assert line.startswith("hybrid stack (3 linear_attention + 1 full_attention); captured: 1 linear_attention, "
+                           "3 full_attention")
+    assert describe_capture(["full_attention"] * 4, [1, 2]) is None and describe_capture(None, [1]) is None
+
+
+def test_a_moe_only_target_sizes_a_dense_drafter_mlp():
+    """Qwen3.5-MoE publishes no dense intermediate_size; the drafter's MLP takes 3 x hidden (z-lab's
+    Qwen3.6-35B-A3B-DFlash: 6144 for hidden 2048), and the raw config is left as it was."""
+    from specring.shared.models.target_config import dense_intermediate_size, text_config
+
+    raw = {"model_type": "qwen3_5_moe", "text_config": {"hidden_size": 2048, "moe_intermediate_size": 512,
+                                                        "num_hidden_layers": 40}}
+    assert text_config(raw)["intermediate_size"] == 6144 and "intermediate_size" not in raw["text_config"]
+    assert dense_intermediate_size({"hidden_size": 2048, "intermediate_size": 5120}) == 5120   # Qwen3-Next
+    assert text_config({"hidden_size": 8, "intermediate_size": 16}) == {"hidden_size": 8, "intermediate_size": 16}
