@@ -67,6 +67,7 @@ from specring.supervisor.reporting import Reporter
 from specring.supervisor.resume import read_checkpoint_batches
 from specring.supervisor.runplan import RunPlan
 from specring.supervisor.status import write_status
+from specring.supervisor.timeseries import TimeSeries
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,8 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
         Topology(run_id=self.run_id, address=self.address, rings=[r.name for r in self.rings],
                  slot_bytes=self.plan.slot_bytes, num_slots=cfg.ring.num_slots,
                  supervisor_pid=os.getpid()).save(self.run_dir)
+        self.timeseries = TimeSeries(self.run_dir, self.run_id, resume=bool(cfg.resume), producers=n,
+                                     consumers=len(self.consumers), num_slots=cfg.ring.num_slots)
         self.dist_port = _free_port()
         self.reporter = Reporter(cfg.report_to, self.run_dir, self.run_id, cfg.to_dict(),
                                  start_step=self.last_checkpoint.get("step", 0) if cfg.resume else 0)
@@ -211,6 +214,8 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
             raise
         finally:
             self._cleanup()
+            if getattr(self, "timeseries", None) is not None:
+                self.timeseries.close()
             for s, h in old_handlers.items():
                 signal.signal(s, h)
             try:
@@ -275,7 +280,11 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
                 self._kill_orphans()  # e.g. a daemon that a live child's helper double-forked
                 self.progress.refresh(co, self.producers, self.tokens_per_s(), self._balance(steady=False),
                                       eval_failures=self.poll_eval_failures())
-                write_status(self.run_dir, self.run_id, self.status_rows())
+                rows = self.status_rows()
+                write_status(self.run_dir, self.run_id, rows)
+                self.timeseries.sample(rows, self.progress.step, self.progress.total, self.progress.loss,
+                                       self.tokens_per_s(), self._balance(steady=False), len(co.trained),
+                                       self.tokens_trained)  # RUN_DIR/timeseries.jsonl (launch.py report)
                 self._report()
 
 
