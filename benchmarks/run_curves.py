@@ -29,14 +29,21 @@ def curves(run: Path, rows: int = 8) -> str:
         out.append(f"{run.name} step={m['step']} t={m['time'] - t0:.0f}s loss={m['loss']:.3f} acc1={acc[0]:.3f} "
                    f"acc8={acc[min(7, len(acc) - 1)]:.3f} proxy={m['accept_proxy']:.2f}")
     for e in evals:
+        if e.get("error"):  # a failed evaluation (consumer/tau.py record_failure)
+            out.append(f"{run.name} eval step={e['step']} t={e['time'] - t0:.0f}s FAILED {e['error']}")
+            continue
         out.append(f"{run.name} eval step={e['step']} t={e['time'] - t0:.0f}s tau={e['tau_mean']:.3f} "
                    f"prompts={e.get('prompts')} eval_s={e['eval_s']}")
     return "\n".join(out)
 
 
 def best(runs: list[Path]) -> Path | None:
-    """The run whose last tau evaluation is highest (None when none has one)."""
-    scored = [(read_jsonl(r / "eval.jsonl")[-1]["tau_mean"], str(r)) for r in runs if read_jsonl(r / "eval.jsonl")]
+    """The run whose last measured tau (failed evaluations skipped) is highest (None when none has one)."""
+    scored = []
+    for r in runs:
+        taus = [e["tau_mean"] for e in read_jsonl(r / "eval.jsonl") if e.get("tau_mean") is not None]
+        if taus:
+            scored.append((taus[-1], str(r)))
     return Path(max(scored)[1]) if scored else None
 
 
