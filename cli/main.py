@@ -20,8 +20,11 @@ COMMANDS = {
              "acceptance length tau of a drafter by real speculative decoding with the target"),
     "export": ("specring.cli.export", "main",
                "write a trained drafter in the format SGLang/vLLM load (DFlashDraftModel or LlamaForCausalLMEagle3)"),
+    "report": ("specring.cli.report", "main",
+               "an HTML page and PNG plots of one run or several side by side: loss, accuracy, tau, rings, balance"),
     "status": ("specring.cli.ops", "status_main",
-               "one line per process of a running run: pid, heartbeat, tokens/s, memory, ring occupancy"),
+               "one line per process of a running run: pid, heartbeat, tokens/s, memory, ring occupancy "
+               "(--serve: a live page)"),
     "restart": ("specring.cli.ops", "restart_main",
                 "restart one producer of a running run gracefully (restart producer N)"),
     "clean": ("specring.cli.ops", "clean_main",
@@ -38,6 +41,7 @@ examples:
   launch.py train --config configs/qwen3-8b.toml --data data/train.arrow --report-to tensorboard
   launch.py status                                    the processes of the running run (runs/latest)
   launch.py eval --drafter runs/latest                tau of the latest checkpoint against the baselines
+  launch.py report runs/a runs/b                      plots of two runs on shared axes (HTML + PNG)
   launch.py export --drafter runs/latest --output exported/"""
 
 

@@ -113,6 +113,7 @@ def train_main(argv: list[str]) -> int:
         line += ("\nnothing was trained: every optimizer step was skipped (no labels: no sample of the batches has "
                  "two adjacent tokens that carry loss, which a DFlash anchor needs; or non-finite losses); "
                  "check the data's loss_mask (`launch.py prepare` names such rows no_anchor)")
+    line += f"\nreport: {write_run_report(cfg.run_dir)}"
     line += f"\nsummary: {Path(cfg.run_dir) / 'summary.json'}"
     if s["remaining_batches"]:
         line += (f"\n{s['remaining_batches']} batches still to train (not reached, or trained after the last "
@@ -120,3 +121,13 @@ def train_main(argv: list[str]) -> int:
                  f"`python launch.py train --run-dir {cfg.run_dir} --resume`")
     print(line, file=sys.stderr)
     return outcome.exit_code
+
+def write_run_report(run_dir: str | Path) -> str:
+    """Write ``RUN_DIR/report/`` (``specring.cli.report``) at the end of a run; returns the path of its
+    ``index.html``, or ``not written (...)`` saying why: a report never changes a run's outcome."""
+    try:
+        from specring.cli.report import write_report
+        return str(write_report([run_dir]))
+    except Exception as e:  # noqa: BLE001 - matplotlib missing, a full disk: said on the line, the run stands
+        log.warning("report not written: %s: %s", type(e).__name__, e)
+        return f"not written ({type(e).__name__}: {e}; `launch.py report {run_dir}` tries again)"

@@ -282,10 +282,16 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
                                       eval_failures=self.poll_eval_failures())
                 rows = self.status_rows()
                 write_status(self.run_dir, self.run_id, rows)
-                self.timeseries.sample(rows, self.progress.step, self.progress.total, self.progress.loss,
-                                       self.tokens_per_s(), self._balance(steady=False), len(co.trained),
-                                       self.tokens_trained)  # RUN_DIR/timeseries.jsonl (launch.py report)
+                self._sample_timeseries(rows)
                 self._report()
+        self._sample_timeseries(self.status_rows(), force=True)  # the state the loop ended in
+
+    def _sample_timeseries(self, rows: list[dict], force: bool = False) -> None:
+        """A sample of ``RUN_DIR/timeseries.jsonl`` (``supervisor.timeseries``, read by ``launch.py report``): the
+        status ``rows`` and the run's step, loss, tokens/s, balance and trained batches and tokens."""
+        self.timeseries.sample(rows, self.progress.step, self.progress.total, self.progress.loss, self.tokens_per_s(),
+                               self._balance(steady=False), len(self.coordinator.trained), self.tokens_trained,
+                               force=force)
 
 
 def _free_port() -> int:

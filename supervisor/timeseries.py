@@ -88,11 +88,13 @@ class TimeSeries:
         logging.getLogger(_EVENT_LOGGER).addHandler(self._handler)
 
     def sample(self, rows: list[dict], step: int, total_steps: int, loss: float | None, tokens_per_s: float,
-               balance: dict | None, trained_batches: int, tokens_trained: int, now: float | None = None) -> bool:
+               balance: dict | None, trained_batches: int, tokens_trained: int, now: float | None = None,
+               force: bool = False) -> bool:
         """Append a sample from the status ``rows`` (``Supervisor.status_rows``) and the run's figures, unless the
-        last one is less than ``interval_s`` old; returns whether one was written."""
+        last one is less than ``interval_s`` old (``force``: whatever its age, for the end of the loop); returns
+        whether one was written."""
         now = time.time() if now is None else now
-        if now - self._last_sample < self.interval_s or self._broken:
+        if (now - self._last_sample < self.interval_s and not force) or self._broken:
             return False
         self._last_sample = now
         bal = balance or {}
