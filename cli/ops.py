@@ -32,13 +32,33 @@ def _address(run_dir: str) -> str:
 
 
 def status_main(argv: list[str]) -> int:
-    """``launch.py status --run-dir R``: one line per process from the running supervisor."""
+    """``launch.py status --run-dir R``: one line per process from the running supervisor; ``--serve``: the live
+    page of the run (``specring.cli.live``) until Ctrl-C."""
     ap = argparse.ArgumentParser(prog="launch.py status", formatter_class=CommandHelpFormatter,
                                  description=description("status") + " Exits with 1 "
-                                 "when no run is going in the run directory (its supervisor has exited).")
+                                 "when no run is going in the run directory (its supervisor has exited).",
+                                 epilog="examples:\n"
+                                 "  launch.py status                                   runs/latest, one line a process\n"
+                                 "  launch.py status --serve --port 8765               the live page, on loopback")
     ap.add_argument("--run-dir", default=str(latest_link()), help="the run to ask (default: runs/latest)")
     ap.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    live = ap.add_argument_group("live page (--serve: the plots of `launch.py report` and this table, in a browser)")
+    live.add_argument("--serve", action="store_true",
+                      help="serve a read-only live page of the run (refreshed from the run directory) until Ctrl-C; "
+                           "prints its URL, which holds a random token")
+    live.add_argument("--port", type=finite_number(int), default=0, help="port of --serve (0: a free one)")
+    live.add_argument("--host", default="127.0.0.1", help="address --serve listens on (loopback unless told)")
+    live.add_argument("--refresh-s", type=finite_number(float), default=5.0,
+                      help="seconds between two refreshes of the live page")
     args = ap.parse_args(argv)
+    if args.serve:
+        if not Path(args.run_dir).is_dir():
+            print(f"error: --run-dir: {args.run_dir} is not a directory (no run there yet)", file=sys.stderr)
+            return 1
+        if not 0 <= args.port < 65536 or not args.refresh_s > 0:
+            ap.error("--port must be in 0..65535 and --refresh-s above 0")
+        from specring.cli.live import serve
+        return serve(args.run_dir, args.host, args.port, args.refresh_s)
     from specring.shared.transport import channel
     from specring.shared.transport import messages as m
     from specring.supervisor.resume import supervisor_alive

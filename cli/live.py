@@ -1,0 +1,208 @@
+"""``launch.py status --serve``: the report of a run (``specring.cli.report``) as a live page, with the
+per-process table of ``launch.py status``.
+
+A threaded ``http.server`` on ``127.0.0.1`` by default (``--host`` to listen elsewhere; through an SSH tunnel the
+default is enough), on ``--port`` (default 0: a free port, printed). The page lives at ``/<token>/`` only, the
+token random per start (``secrets.token_urlsafe``), printed with the URL: any other path is a 404 that says
+nothing. Read-only: it answers GET and HEAD, sends nothing to the run's supervisor and writes nothing; it reads
+the run directory (``status.json`` for the process table, rewritten by the supervisor every second; the files
+of the report for the plots). The page re-fetches itself every ``--refresh-s`` seconds (a few lines of inline
+script replace its content in place, so the scroll position stays; without script a meta refresh reloads it);
+it is rebuilt when a file of the run changed and the last build is at least half that old, so many open pages
+cost one build. Everything it shows is inline (PNG data URIs, inline style): no network, and a
+Content-Security-Policy that allows nothing else.
+"""
+
+from __future__ import annotations
+
+import hmac
+import html
+import http.server
+import secrets
+import sys
+import threading
+import time
+from pathlib import Path
+
+from specring.cli.ops import _mib, _num, _pct, _work
+from specring.cli.report import load_run, render_page, render_plots
+
+WATCHED = ("config.json", "summary.json", "metrics.jsonl", "eval.jsonl", "timeseries.jsonl", "status.json")
+CSP = ("default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
+       "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+PROCESS_HEAD = ["process", "pid", "gen", "state", "hb_age s", "tok/s", "duty", "starv", "cpu%", "rss MiB",
+                "gpu MiB", "restarts", "ring F/W/R/r", "busy with"]
+
+
+def process_rows(rows: list[dict]) -> list[list[str]]:
+    """The cells of ``launch.py status``'s per-process table for the rows of ``status.json``."""
+    out = []
+    for r in rows:
+        ring = r.get("ring")
+        out.append([f"{r.get('role')}-{r.get('index')}", str(r.get("pid") or "-"), str(r.get("generation", "-")),
+                    str(r.get("state", "-")), _num(r.get("heartbeat_age_s"), ".1f"),
+                    _num(r.get("tokens_per_s"), ",.0f"),
+                    _pct(r.get("duty_cycle")) if r.get("role") == "producer" else "",
+                    _pct(r.get("starvation")) if r.get("role") == "consumer" else "",
+                    _num(r.get("cpu_percent"), ".0f"), _num(_mib(r.get("rss_bytes")), ".0f"),
+                    _num(_mib(r.get("gpu_mem_bytes")), ".0f"), str(r.get("restarts", "-")),
+                    "{FREE}/{WRITING}/{READY}/{READING}".format(**ring) if isinstance(ring, dict) else "",
+                    _work(r)])
+    return out
+
+
+def live_section(run_dir: Path, refresh_s: float) -> str:
+    """The live part of the page: whether the run is going, its step, and the process table of ``status.json``."""
+    import json
+
+    from specring.supervisor.resume import supervisor_alive
+    esc = html.escape
+    try:
+        st = json.loads((run_dir / "status.json").read_text())
+        rows = st.get("rows") or []
+        run_id = st.get("run_id", "?")
+    except (OSError, ValueError, AttributeError):
+        rows, run_id = [], "?"
+    pid = supervisor_alive(run_dir)
+    going = (f"going (supervisor pid {pid})" if pid else "going") if pid is not None else \
+        "not going: its supervisor has exited (the table is its last second)"
+    state = f"run {esc(str(run_id))}: {esc(going)}; page rebuilt {esc(time.strftime('%H:%M:%S'))}, " \
+            f"refreshed every {refresh_s:g} s"
+    if rows:
+        cells = process_rows(rows)
+        head = "".join(f"<th>{esc(h)}</th>" for h in PROCESS_HEAD)
+        body = "".join(f'<tr class="state-{esc(r[3])}">' + "".join(f"<td>{esc(c)}</td>" for c in r) + "</tr>"
+                       for r in cells)
+        table = f'<table id="table-processes"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    else:
+        table = ('<p id="table-processes" class="empty">no process rows yet: status.json is missing or empty '
+                 "(the supervisor writes it every second once the run has started)</p>")
+    return (f'<section id="processes"><h2>Processes (launch.py status)</h2>'
+            f'<p class="meta" id="live-state" data-going="{int(pid is not None)}">{state}</p>{table}</section>')
+
+
+def refresh_script(refresh_s: float) -> str:
+    """Inline script: every ``refresh_s`` seconds fetch the page again and swap its ``<main>`` in place."""
+    ms = max(500, int(refresh_s * 1000))
+    return ('<noscript><meta http-equiv="refresh" content="%d"></noscript><script>'
+            "setInterval(async function(){try{const r=await fetch(location.href,{cache:'no-store'});"
+            "if(!r.ok)return;const d=new DOMParser().parseFromString(await r.text(),'text/html');"
+            "const m=d.getElementById('report');if(m)document.getElementById('report').replaceWith(m);}"
+            "catch(e){}},%d);</script>") % (max(1, round(refresh_s)), ms)
+
+
+class LivePage:
+    """Builds the live page of ``run_dir`` and keeps the last build (see the module docstring)."""
+
+    def __init__(self, run_dir: str | Path, refresh_s: float = 5.0):
+        self.run_dir = Path(run_dir)
+        self.refresh_s = float(refresh_s)
+        self._lock = threading.Lock()
+        self._page: bytes | None = None
+        self._sig = None
+        self._built = 0.0
+
+    def _signature(self):
+        sig = []
+        for name in WATCHED:
+            try:
+                st = (self.run_dir / name).stat()
+                sig.append((name, st.st_size, st.st_mtime_ns))
+            except OSError:
+                sig.append((name, None, None))
+        return tuple(sig)
+
+    def page(self) -> bytes:
+        """The page's HTML (UTF-8), rebuilt when a watched file changed and the last build is old enough."""
+        with self._lock:
+            sig = self._signature()
+            fresh = time.monotonic() - self._built < self.refresh_s / 2
+            if self._page is not None and (sig == self._sig or fresh):
+                return self._page
+            self._page = self._build().encode()
+            self._sig, self._built = sig, time.monotonic()
+            return self._page
+
+    def _build(self) -> str:
+        try:
+            run = load_run(self.run_dir)
+        except FileNotFoundError as e:
+            return (f"<!doctype html><html><head><meta charset=\"utf-8\">{refresh_script(self.refresh_s)}</head>"
+                    f'<body><main id="report"><p>{html.escape(str(e))}</p></main></body></html>')
+        plots = render_plots([run], [])
+        return render_page([run], [], plots, f"specring live: {run.name}",
+                           live=live_section(self.run_dir, self.refresh_s),
+                           head_extra=refresh_script(self.refresh_s))
+
+
+def make_server(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, refresh_s: float = 5.0,
+                token: str | None = None) -> tuple[http.server.ThreadingHTTPServer, str]:
+    """A server of the live page of ``run_dir`` (not yet serving) and its URL ``http://HOST:PORT/TOKEN/``; raises
+    ``OSError`` when the address cannot be bound."""
+    token = token or secrets.token_urlsafe(16)
+    live = LivePage(run_dir, refresh_s)
+    prefix = f"/{token}/"
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        server_version = "specring-live"
+        sys_version = ""
+
+        def _answer(self, body: bool) -> None:
+            path = self.path.split("?", 1)[0]
+            if not (hmac.compare_digest(path.encode(), prefix.encode())
+                    or hmac.compare_digest(path.encode(), prefix.rstrip("/").encode())):
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            try:
+                data = live.page()
+                code = 200
+            except Exception as e:  # noqa: BLE001 - a page that says so, never a dropped connection
+                data = f"<!doctype html><p>the page could not be built: {html.escape(repr(e))}</p>".encode()
+                code = 500
+            self.send_response(code)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("Content-Security-Policy", CSP)
+            self.send_header("X-Content-Type-Options", "nosniff")
+            self.send_header("Referrer-Policy", "no-referrer")
+            self.end_headers()
+            if body:
+                self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802 - http.server's names
+            self._answer(True)
+
+        def do_HEAD(self):  # noqa: N802
+            self._answer(False)
+
+        def log_message(self, fmt, *args):  # quiet: the URL holds the token
+            pass
+
+    server = http.server.ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    shown = host if ":" not in host else f"[{host}]"
+    return server, f"http://{shown}:{server.server_address[1]}{prefix}"
+
+
+def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, refresh_s: float = 5.0) -> int:
+    """Serve the live page of ``run_dir`` until interrupted (Ctrl-C: exit code 0); prints its URL first. Exit code
+    2 when the address cannot be bound."""
+    try:
+        server, url = make_server(run_dir, host, port, refresh_s)
+    except OSError as e:
+        print(f"error: --port {port} / --host {host}: cannot listen there ({e})", file=sys.stderr)
+        return 2
+    where = "" if host in ("127.0.0.1", "localhost", "::1") else \
+        f" (listening on {host}: anyone who can reach it and has the URL sees the run)"
+    print(f"live page of {run_dir}: {url}{where}; read-only, refreshed every {refresh_s:g} s; Ctrl-C stops",
+          flush=True)
+    try:
+        server.serve_forever(poll_interval=0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
