@@ -311,9 +311,9 @@ def build_parser() -> argparse.ArgumentParser:
 def load_config_file(path: str) -> dict[str, Any]:
     """The values of a TOML/YAML config file by key (``{"trainer.lr": 3e-4, "run_dir": "runs/x"}``).
 
-    Raises ``ConfigError`` naming the file when it is missing or unreadable, a section is not a mapping, or
-    a key is not a config field (the message lists the section's fields). Types and ranges are checked
-    later, by the dataclasses (``RunConfig.from_dict``)."""
+    Raises ``ConfigError`` naming the file when it is missing, unreadable, not UTF-8 or not valid TOML/YAML, a
+    section is not a mapping, or a key is not a config field (the message lists the section's fields). Types and
+    ranges are checked later, by the dataclasses (``RunConfig.from_dict``)."""
     d = _read_file(path)
     specs, sections = field_specs(), section_classes()
     top = [s.key for s in specs.values() if not s.section] + list(sections)
@@ -340,7 +340,16 @@ def _read_file(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config: {p} does not exist")
-    text = p.read_text()
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"--config: {p} cannot be read ({e.strerror or e})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"--config: {p} is not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}, line "
+                          f"{line}): TOML and YAML files are UTF-8; save it as UTF-8 (iconv -t UTF-8)") from None
     if p.suffix == ".toml":
         try:
             import tomllib

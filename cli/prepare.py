@@ -94,13 +94,31 @@ def expand_inputs(specs: list[str]) -> list[Path]:
     return out
 
 
+def parquet_file(p: Path):
+    """``pyarrow.parquet.ParquetFile`` of the input ``p``. Raises ``ConfigError`` naming the file when it is not
+    a readable Parquet file (pyarrow's own message, "Parquet magic bytes not found", names no file)."""
+    import pyarrow.parquet as pq
+    try:
+        return pq.ParquetFile(str(p))
+    except (OSError, ValueError) as e:  # pyarrow.ArrowInvalid is a ValueError, ArrowIOError an OSError
+        raise ConfigError(f"input {str(p)!r}: not a readable Parquet file ({type(e).__name__}: {e}); a .parquet "
+                          f"input must be Parquet (JSON lines go in .jsonl)") from None
+
+
+def check_inputs(files: list[Path]) -> None:
+    """Open every Parquet input once (its footer), so that a file that is not Parquet is refused, by name, before
+    anything is tokenized (``parquet_file``)."""
+    for p in files:
+        if p.suffix == ".parquet":
+            parquet_file(p)
+
+
 def _count_rows(files: list[Path]) -> int:
     """Rows to read (Parquet metadata, JSONL non-empty lines), for the progress bar."""
     total = 0
     for p in files:
         if p.suffix == ".parquet":
-            import pyarrow.parquet as pq
-            total += pq.ParquetFile(str(p)).metadata.num_rows
+            total += parquet_file(p).metadata.num_rows
         else:
             with open(p, "rb") as f:
                 total += sum(1 for line in f if line.strip())
@@ -110,9 +128,16 @@ def _count_rows(files: list[Path]) -> int:
 def _tasks(files: list[Path]) -> Iterator[Task]:
     for fi, p in enumerate(files):
         if p.suffix == ".parquet":
-            import pyarrow.parquet as pq
             row = 0
-            for rb in pq.ParquetFile(str(p)).iter_batches(batch_size=CHUNK_ROWS):
+            batches = parquet_file(p).iter_batches(batch_size=CHUNK_ROWS)
+            while True:
+                try:
+                    rb = next(batches, None)
+                except (OSError, ValueError) as e:  # a corrupt page or row group mid-file
+                    raise ConfigError(f"input {str(p)!r}: cannot be read past row {row} ({type(e).__name__}: "
+                                      f"{e})") from None
+                if rb is None:
+                    break
                 rows = rb.to_pylist()
                 yield Task(fi, "rows", list(range(row, row + len(rows))), rows)
                 row += len(rows)
@@ -148,8 +173,12 @@ def prepare_files(inputs: list[str], output: Path, *, tokenizer: Path, max_lengt
                   strict: bool, workers: int, progress: bool = True, chat_template: str | None = None,
                   trust_remote_code: bool = False) -> dict:
     """Tokenize the rows of ``inputs`` (paths, directories or globs) into ``output``; returns the sidecar.
-    ``trust_remote_code``: the tokenizer's own code may run (``--trust-remote-code``)."""
+    ``trust_remote_code``: the tokenizer's own code may run (``--trust-remote-code``).
+
+    Raises ``ConfigError`` before anything is written for a ``.parquet`` input that is not Parquet
+    (``check_inputs``)."""
     files = expand_inputs(inputs)
+    check_inputs(files)
     tok = load_tokenizer(tokenizer, trust_remote_code)
     cfg = EncoderConfig(str(tokenizer), max_length, overlong, vocab_size_of(tokenizer, tok), chat_template,
                         trust_remote_code)
@@ -160,6 +189,17 @@ def prepare_files(inputs: list[str], output: Path, *, tokenizer: Path, max_lengt
                              progress=progress, meta=_tokenizer_meta(tokenizer, tok, cfg, overlong))
     finally:
         runner.close()
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a ``--chat-template`` file; raises ``ConfigError`` naming it when it is missing, unreadable
+    or not UTF-8."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"--chat-template: {path} cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--chat-template: {path} is not UTF-8 text (byte offset {e.start})") from None
 
 
 HELP_EXAMPLES = """\
@@ -229,7 +269,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("no input: give JSONL/Parquet files (positional or --input), or --demo")
         if not args.output:
             raise ConfigError("--output is required (the Arrow file to write)")
-        template = Path(args.chat_template).read_text() if args.chat_template else None
+        template = read_chat_template(args.chat_template) if args.chat_template else None
         output = Path(args.output)
         side = prepare_files(inputs, output, tokenizer=tokenizer, max_length=args.max_length or 2048,
                              overlong=args.overlong, strict=args.strict,

@@ -34,6 +34,7 @@ def train_main(argv: list[str]) -> int:
             print(f"resuming {cfg.run_dir} with the configuration saved in it{changed}", file=sys.stderr)
         from specring.supervisor.resume import (
             check_resume_data,
+            check_resume_draft_vocab,
             claim_run_dir,
             prepare_run_dir,
         )
@@ -41,6 +42,7 @@ def train_main(argv: list[str]) -> int:
         from specring.supervisor.runplan import resolve_run
         plan = resolve_run(cfg)
         record = check_resume_data(cfg, plan)  # a resume onto other data or another plan stops here
+        check_resume_draft_vocab(cfg, plan)    # EAGLE-3: the checkpoint's own draft vocabulary, in the plan too
         if args.plan:
             print(plan.describe(cfg))
             from specring.shared.balance import balance_lines

@@ -19,6 +19,10 @@ What is guaranteed:
 * ``load_checkpoint`` accepts a step directory, a checkpoints directory (follows ``latest``) or a run
   directory (follows ``checkpoints/latest``); ``resolve_checkpoint`` also accepts an export directory
   (``launch.py export``), which ``load_drafter`` refuses (``specring.cli.export`` loads exports).
+* A file that cannot be read (empty, truncated, garbage: a disk that filled, a copy cut short) is named:
+  ``read_safetensors``, ``read_json``, ``load_trainer_state`` and ``check_checkpoint_files`` raise
+  ``shared.errors.CorruptFile`` with the file's path, never a bare ``SafetensorError``; ``last_good_checkpoint``
+  finds the newest step directory whose files all read, which ``--resume`` names when ``latest`` is unreadable.
 * Files get the usual modes (``0666 & ~umask``, 0644 under the usual umask), whatever the writer used
   (safetensors writes through a private temporary file, 0600).
 
@@ -43,6 +47,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specring.shared import faults
+from specring.shared.errors import CorruptFile
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +163,81 @@ def save_checkpoint(checkpoints_dir: str | Path, step: int, tensors: dict[str, t
     return final
 
 
+def read_safetensors(path: str | Path, device: str | torch.device = "cpu",
+                     keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file ``path`` (only ``keys`` when given, those of them it holds).
+
+    Raises ``FileNotFoundError`` when it does not exist and ``shared.errors.CorruptFile`` naming it when it is
+    not a readable safetensors file (empty, truncated, garbage: safetensors checks the header and that the data
+    covers every tensor it declares)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            names = list(f.keys()) if keys is None else [k for k in keys if k in set(f.keys())]
+            return {k: f.get_tensor(k) for k in names}
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (and OSError, ValueError)
+        raise CorruptFile(f"{path} is not a readable safetensors file ({path.stat().st_size} bytes: "
+                          f"{type(e).__name__}: {e})", path=str(path)) from None
+
+
+def read_json(path: str | Path) -> Any:
+    """The JSON value of the file ``path``. Raises ``FileNotFoundError`` when it does not exist and
+    ``shared.errors.CorruptFile`` naming it when it is not UTF-8 JSON (empty, truncated, garbage)."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CorruptFile(f"{path} is not readable JSON ({type(e).__name__}: {e})", path=str(path)) from None
+
+
+def check_checkpoint_files(step_dir: str | Path) -> None:
+    """Check that every file of the step directory ``step_dir`` reads, without loading the tensors: the weights'
+    safetensors header and coverage, the trainer state's zip directory (``torch.save`` format), the config JSON.
+    Cheap whatever the checkpoint's size. Raises ``FileNotFoundError`` for a missing weights file and
+    ``shared.errors.CorruptFile`` naming the first file that does not read."""
+    import zipfile
+
+    step_dir = Path(step_dir)
+    weights = step_dir / WEIGHTS_FILE
+    if not weights.is_file():
+        raise FileNotFoundError(f"{step_dir} has no {WEIGHTS_FILE}")
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            f.keys()
+    except Exception as e:  # noqa: BLE001 - SafetensorError
+        raise CorruptFile(f"{weights} is not a readable safetensors file ({weights.stat().st_size} bytes: "
+                          f"{type(e).__name__}: {e})", path=str(weights)) from None
+    state = step_dir / STATE_FILE
+    if state.is_file():
+        try:
+            with zipfile.ZipFile(state) as z:
+                if not any(n.endswith("data.pkl") for n in z.namelist()):
+                    raise zipfile.BadZipFile("no data.pkl in the archive")
+        except (zipfile.BadZipFile, OSError, ValueError) as e:
+            raise CorruptFile(f"{state} is not a readable trainer state ({state.stat().st_size} bytes: "
+                              f"{type(e).__name__}: {e})", path=str(state)) from None
+    for name in config_files().values():
+        if (step_dir / name).is_file():
+            read_json(step_dir / name)
+
+
+def last_good_checkpoint(checkpoints_dir: str | Path) -> tuple[Path | None, list[str]]:
+    """``(newest step directory of checkpoints_dir whose files all read (check_checkpoint_files) or None,
+    [the problem of each newer one])``: where a run can continue from when ``latest`` is unreadable."""
+    problems = []
+    for p in sorted((p for p in Path(checkpoints_dir).glob("step-*") if p.is_dir()), reverse=True):
+        try:
+            check_checkpoint_files(p)
+            return p, problems
+        except (CorruptFile, FileNotFoundError) as e:
+            problems.append(str(e))
+    return None, problems
+
+
 def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
     """The step directory ``latest`` names, or None when there is no ``latest``."""
     root = Path(checkpoints_dir)
@@ -188,14 +268,12 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu"
                     ) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-    """``(tensors, trainer_state, dflash_config_dict)`` of the checkpoint at ``path`` (see ``resolve_checkpoint``)."""
+    """``(tensors, trainer_state, dflash_config_dict)`` of the checkpoint at ``path`` (see ``resolve_checkpoint``).
+    Raises ``shared.errors.CorruptFile`` naming a file of it that does not read."""
     step_dir = resolve_checkpoint(path)
-    tensors: dict[str, torch.Tensor] = {}
-    with safe_open(str(step_dir / WEIGHTS_FILE), framework="pt", device=str(map_location)) as f:
-        for k in f.keys():
-            tensors[k] = f.get_tensor(k)
+    tensors = read_safetensors(step_dir / WEIGHTS_FILE, map_location)
     state = load_trainer_state(step_dir, map_location)
-    config = json.loads((step_dir / config_files()[drafter_kind(step_dir)]).read_text())
+    config = read_json(step_dir / config_files()[drafter_kind(step_dir)])
     return tensors, state, config
 
 
@@ -214,11 +292,16 @@ def load_trainer_state(path: str | Path, map_location: str | torch.device = "cpu
                        mmap: bool = False) -> dict[str, Any]:
     """The trainer state (step, trained batch ids, optimizer, RNG) of the checkpoint at ``path`` alone, without
     the weights; ``{}`` if it has none. ``mmap=True`` maps the file instead of reading it, so a caller that
-    wants only the small fields (the supervisor on ``--resume``) does not read a large optimizer state."""
+    wants only the small fields (the supervisor on ``--resume``) does not read a large optimizer state.
+    Raises ``shared.errors.CorruptFile`` naming the file when it does not load (empty, truncated, garbage)."""
     state_path = resolve_checkpoint(path) / STATE_FILE
     if not state_path.is_file():
         return {}
-    return torch.load(state_path, map_location=map_location, weights_only=False, mmap=mmap)
+    try:
+        return torch.load(state_path, map_location=map_location, weights_only=False, mmap=mmap)
+    except Exception as e:  # noqa: BLE001 - zip, pickle and storage errors of every kind
+        raise CorruptFile(f"{state_path} is not a readable trainer state ({type(e).__name__}: {e})",
+                          path=str(state_path)) from None
 
 
 def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,

@@ -12,6 +12,8 @@ The name of each exception says whether the caller may retry:
 * ``PeerTimeout``: waiting for a peer's answer ran past its deadline; the message names the duration and
   the peer.
 * ``BadBatch``: a batch whose data cannot be trained on (non-finite hidden states, bad token ids).
+* ``CorruptFile`` (a ``ValueError``): a file that is not what its name says (an empty, truncated or garbage
+  safetensors, trainer state or JSON file); the message names the file. Restore or replace the file.
 """
 
 from __future__ import annotations
@@ -57,3 +59,13 @@ class PeerTimeout(SpecringError, TimeoutError):
 
 class BadBatch(SpecringError):
     """A batch's data must not be trained on (non-finite values, out-of-range ids)."""
+
+
+class CorruptFile(SpecringError, ValueError):
+    """A file that cannot be read as what it should be (empty, truncated, garbage); the message names it.
+
+    ``path``: the file."""
+
+    def __init__(self, message: str, *, path: str = ""):
+        super().__init__(message)
+        self.path = path

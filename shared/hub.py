@@ -32,7 +32,8 @@ def resolve_model_dir(spec: str | Path, flag: str = "--target") -> Path:
     """A local checkpoint directory for ``spec`` (a directory or a hub id ``org/name[@revision]``).
 
     Raises ``ConfigError`` naming ``flag`` when ``spec`` is neither an existing directory nor a hub id, or a hub
-    id that is not in the local cache while downloads are off (or the download fails), saying what to run.
+    id that is not in the local cache while downloads are off (or the download fails), saying what to run; for
+    ``@revision`` the message names the revision and the revisions the cache does hold (``cached_revisions``).
     """
     path = Path(str(spec)).expanduser()
     if path.is_dir():
@@ -50,16 +51,39 @@ def resolve_model_dir(spec: str | Path, flag: str = "--target") -> Path:
     except (LocalEntryNotFoundError, FileNotFoundError, OSError):
         pass
     offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    what = f"{repo} at revision {revision!r}" if revision else repo
+    have = cached_revisions(repo, cache)
+    cached = (f"; the cache holds {repo} only at {', '.join(have)} (name one as {repo}@REVISION)"
+              if revision and have else "")
     if offline:
-        raise ConfigError(f"{flag}: {repo} is not in the local Hugging Face cache ({cache}) and downloads are off "
-                          f"(HF_HUB_OFFLINE): run `huggingface-cli download {repo}` where there is network, or "
+        download = f"huggingface-cli download {repo}" + (f" --revision {revision}" if revision else "")
+        raise ConfigError(f"{flag}: {what} is not in the local Hugging Face cache ({cache}) and downloads are off "
+                          f"(HF_HUB_OFFLINE){cached}: run `{download}` where there is network, or "
                           "pass the checkpoint's directory")
     try:
         return Path(snapshot_download(repo, revision=revision or None, allow_patterns=ALLOW, cache_dir=cache))
     except Exception as e:  # noqa: BLE001 - network, authentication, a repository that does not exist
-        raise ConfigError(f"{flag}: {repo} is not in the local Hugging Face cache ({cache}) and could not be "
-                          f"downloaded ({type(e).__name__}: {str(e)[:200]}); pass the checkpoint's directory "
-                          "or fill the cache first") from None
+        raise ConfigError(f"{flag}: {what} is not in the local Hugging Face cache ({cache}) and could not be "
+                          f"downloaded ({type(e).__name__}: {str(e)[:200]}){cached}; pass the checkpoint's "
+                          "directory or fill the cache first") from None
+
+
+def cached_revisions(repo: str, cache: Path) -> list[str]:
+    """The revisions of ``repo`` the hub cache ``cache`` holds a snapshot of: its refs (``main``, ``refs/pr/1``),
+    each with the commit it names (``main (commit 0123456789ab)``), then snapshots no ref names (by commit)."""
+    root = Path(cache) / f"models--{repo.replace('/', '--')}"
+    snaps = {p.name for p in (root / "snapshots").glob("*") if p.is_dir()}
+    out, named = [], set()
+    refs = root / "refs"
+    for ref in sorted(p for p in refs.rglob("*") if p.is_file()) if refs.is_dir() else []:
+        try:
+            commit = ref.read_text().strip()
+        except OSError:
+            continue
+        if commit in snaps:
+            named.add(commit)
+            out.append(f"{ref.relative_to(refs).as_posix()} (commit {commit[:12]})")
+    return out + sorted(c[:12] for c in snaps - named)
 
 
 # transformers' loaders by what they load: every from_pretrained of a target, its tokenizer or its configs

@@ -106,7 +106,34 @@ def prepare_run_dir(cfg: RunConfig) -> bool:
         name = (ckpts / "latest").read_text(errors="replace").strip()
         raise ConfigError(f"--resume: {ckpts / 'latest'} names {name!r}, which is not a complete checkpoint "
                           f"(complete ones: {', '.join(steps) or 'none'}); write the name of one of them into it")
+    if cfg.resume and (ckpts / "latest").exists():
+        check_latest_readable(run_dir)
     return new_default
+
+
+def check_latest_readable(run_dir: Path) -> None:
+    """On ``--resume``: check that every file of the checkpoint ``checkpoints/latest`` names reads
+    (``shared.checkpoint.check_checkpoint_files``: headers and archive directories only, cheap at any size).
+    Raises ``ConfigError`` naming ``--resume``, the file that does not read and how to continue: from the newest
+    older checkpoint that reads (``last_good_checkpoint``; its name written into ``latest``, the batches trained
+    after it are trained again), or, when none reads, from the beginning (the checkpoints moved away)."""
+    from specring.shared.checkpoint import check_checkpoint_files, last_good_checkpoint, latest_checkpoint
+    from specring.shared.errors import CorruptFile
+
+    ckpts = Path(run_dir) / "checkpoints"
+    latest = latest_checkpoint(ckpts)
+    try:
+        check_checkpoint_files(latest)
+    except CorruptFile as e:
+        good, _ = last_good_checkpoint(ckpts)
+        if good is not None and good.name < latest.name:
+            how = (f"the newest checkpoint that reads is {good.name}: continue from it with "
+                   f"`echo {good.name} > {ckpts / 'latest'}` and the same --resume (the batches trained after it "
+                   f"are trained again)")
+        else:
+            how = (f"no checkpoint of {ckpts} reads: restore the file, or move {ckpts} away to train "
+                   f"{run_dir} from the beginning")
+        raise ConfigError(f"--resume: the latest checkpoint {latest.name} cannot be read: {e}; {how}") from None
 
 
 def claim_run_dir(cfg: RunConfig, new_default: bool, record: dict | None = None):
@@ -317,3 +344,35 @@ def prepare_draft_vocab(cfg: RunConfig, plan) -> str:
         raise ConfigError(f"--data: {e}") from None
     log.info("draft_vocab built=%s size=%d", draft_vocab_path(run_dir), d2t.numel())
     return "built"
+
+
+def check_resume_draft_vocab(cfg: RunConfig, plan) -> None:
+    """On ``--resume`` of an EAGLE-3 run (a family that ``needs_draft_vocab``) with a checkpoint: the run's
+    ``draft_vocab.safetensors`` must be the vocabulary that checkpoint was trained with (its ``d2t``/``t2d``
+    buffers), checked before anything starts (``train --plan`` included), not by the consumer after start-up.
+    Reads only those two tensors of the checkpoint. Raises ``ConfigError`` naming ``--resume`` and both files
+    when they differ, and what ``shared.draft_vocab.read_draft_vocab`` raises for a missing or misshapen file."""
+    import torch
+
+    from specring.shared.checkpoint import WEIGHTS_FILE, latest_checkpoint, read_safetensors
+    from specring.shared.draft_vocab import draft_vocab_path, read_draft_vocab
+    from specring.shared.drafters import get_family
+    from specring.shared.errors import CorruptFile
+
+    run_dir = Path(cfg.run_dir)
+    if not cfg.resume or not get_family(cfg.trainer.drafter).needs_draft_vocab or \
+            checkpoint_step_on_disk(run_dir) is None or not plan.vocab_size:
+        return
+    d2t, t2d = read_draft_vocab(run_dir, plan.draft_vocab_size, plan.vocab_size, prefix="--resume: ")
+    weights = latest_checkpoint(run_dir / "checkpoints") / WEIGHTS_FILE
+    try:
+        saved = read_safetensors(weights, keys=["d2t", "t2d"])
+    except CorruptFile as e:
+        raise ConfigError(f"--resume: {e}") from None
+    differ = [k for k, mine in (("d2t", d2t), ("t2d", t2d))
+              if k in saved and (saved[k].shape != mine.shape or not torch.equal(saved[k].to(mine.dtype), mine))]
+    if differ:
+        raise ConfigError(f"--resume: {draft_vocab_path(run_dir)} is not the draft vocabulary the checkpoint "
+                          f"{weights.parent.name} was trained with ({' and '.join(differ)} differ from those in "
+                          f"{weights}): restore the run's own draft_vocab.safetensors (it was built once, when the "
+                          f"run started), or start a new run")

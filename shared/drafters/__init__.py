@@ -10,7 +10,6 @@ families").
 from __future__ import annotations
 
 import importlib
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,8 +57,10 @@ def family_of(obj: Any) -> "DrafterFamily":
 def family_of_export(export_dir: str | Path) -> "DrafterFamily":
     """The family whose serving format the export at ``export_dir`` is (its ``config.json`` ``architectures``).
     Raises ``ValueError`` naming the file when no registered family writes that architecture."""
+    from specring.shared.checkpoint import read_json
     path = Path(export_dir) / "config.json"
-    archs = json.loads(path.read_text()).get("architectures") or []
+    cfg = read_json(path)  # CorruptFile naming it when it is not JSON
+    archs = (cfg.get("architectures") if isinstance(cfg, dict) else None) or []
     for name in NAMES:
         fam = get_family(name)
         if fam.export_architecture in archs:

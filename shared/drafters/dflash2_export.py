@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from specring.shared import checkpoint as ckpt
 from specring.shared.devices import MODEL_DTYPES
@@ -186,8 +185,9 @@ def load_dflash2_export(export_dir: str | Path, device: str | torch.device = "cp
     """A ``DFlash2Drafter`` (eval mode) of an export: weights in the exported dtype (unless ``dtype``), the frozen
     head from ``target_dir`` (default: the target recorded in ``specring_export.json``). Raises ``ValueError`` for
     a config or tensor set that is not the format, or an unknown target."""
+    from specring.shared.checkpoint import read_json
     export_dir = Path(export_dir)
-    cfg = json.loads((export_dir / CONFIG_FILE).read_text())
+    cfg = read_json(export_dir / CONFIG_FILE)  # CorruptFile (a ValueError) naming it when it is not JSON
     if ARCHITECTURE not in (cfg.get("architectures") or []):
         raise ValueError(f"{export_dir}/{CONFIG_FILE}: architectures {cfg.get('architectures')} lack {ARCHITECTURE}")
     dcfg = config_from_exported(cfg)
@@ -199,8 +199,8 @@ def load_dflash2_export(export_dir: str | Path, device: str | torch.device = "cp
         if target_dir is None or not (Path(target_dir) / "config.json").is_file():
             raise ValueError(f"{export_dir}: the target it was exported for is not recorded in {PROVENANCE_FILE} or "
                              f"is gone ({target_dir}); pass the target")
-    with safe_open(str(export_dir / WEIGHTS_FILE), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    from specring.shared.checkpoint import read_safetensors
+    tensors = read_safetensors(export_dir / WEIGHTS_FILE)  # CorruptFile naming it when it does not read
     check_dflash2_tensors(set(tensors), dcfg.num_hidden_layers, f"{export_dir}/{WEIGHTS_FILE}")
     if dtype is None:
         dtype = MODEL_DTYPES.get(str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"), torch.float32)

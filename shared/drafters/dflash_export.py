@@ -48,7 +48,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from specring.shared.drafters.dflash_hf_model import modeling_source
 from specring.shared import checkpoint as ckpt
@@ -302,8 +301,9 @@ def load_exported_as_served(export_dir: str | Path, device: str | torch.device =
     """The drafter of an export as it is served: its weights in the exported dtype (``config.json``
     ``dtype``), the frozen head from the target in its ``specring_export.json``. Raises ``ValueError``
     when that target is not recorded or does not exist (then use ``load_exported`` with a target)."""
+    from specring.shared.checkpoint import read_json
     export_dir = Path(export_dir)
-    cfg = json.loads((export_dir / CONFIG_FILE).read_text())
+    cfg = read_json(export_dir / CONFIG_FILE)  # CorruptFile (a ValueError) naming it when it is not JSON
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
     try:
         target = Path(json.loads((export_dir / PROVENANCE_FILE).read_text())["target"])
@@ -321,11 +321,14 @@ def load_exported(export_dir: str | Path, target_dir: str | Path, device: str | 
                   dtype: torch.dtype = torch.float32) -> DFlashDrafter:
     """A ``DFlashDrafter`` (eval mode) from an export directory, with the frozen head read from ``target_dir``.
 
-    Raises ``FileNotFoundError`` for missing files and ``ValueError`` naming missing/unexpected tensors or a
+    Raises ``FileNotFoundError`` for missing files, ``shared.errors.CorruptFile`` (a ``ValueError``) naming a
+    file that does not read (empty, truncated, garbage) and ``ValueError`` naming missing/unexpected tensors or a
     ``num_target_layers`` that does not match the target.
     """
+    from specring.shared.checkpoint import read_json, read_safetensors
+
     export_dir, target_dir = Path(export_dir), Path(target_dir)
-    cfg = json.loads((export_dir / CONFIG_FILE).read_text())
+    cfg = read_json(export_dir / CONFIG_FILE)
     if ARCHITECTURE not in (cfg.get("architectures") or []):
         raise ValueError(f"{export_dir}/{CONFIG_FILE}: architectures {cfg.get('architectures')} lack {ARCHITECTURE}")
     dcfg = config_from_exported(cfg)
@@ -334,8 +337,7 @@ def load_exported(export_dir: str | Path, target_dir: str | Path, device: str | 
         raise ValueError(f"{export_dir}: num_target_layers {cfg['num_target_layers']} != the target's "
                          f"{tcfg['num_hidden_layers']} layers ({target_dir})")
     model = DFlashDrafter(dcfg).to(dtype=dtype)
-    with safe_open(str(export_dir / WEIGHTS_FILE), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors = read_safetensors(export_dir / WEIGHTS_FILE)
     unexpected_frozen = sorted(set(tensors) & set(FROZEN_KEYS))
     if unexpected_frozen:
         raise ValueError(f"{export_dir}/{WEIGHTS_FILE}: unexpected {unexpected_frozen} (an export holds no frozen "

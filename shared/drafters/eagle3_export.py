@@ -155,16 +155,15 @@ def export_eagle3(checkpoint: str | Path, output_dir: str | Path, dtype: str = "
 def load_eagle3_export(export_dir: str | Path, device: str | torch.device = "cpu") -> Eagle3Drafter:
     """The drafter of an EAGLE-3 export as it is served (eval mode): its weights in the exported dtype, the
     embedding of the target recorded in ``specring_export.json`` (an export holds none: the engines use the
-    target's). Raises ``ValueError`` when the export fails ``check_eagle3_export``, its shape is not the recorded
+    target's). Raises ``shared.errors.CorruptFile`` (a ``ValueError``) naming a file that does not read, and
+    ``ValueError`` when the export fails ``check_eagle3_export``, its shape is not the recorded
     target's, or that target is not recorded or gone."""
-    from safetensors import safe_open
-
+    from specring.shared.checkpoint import read_json, read_safetensors
     from specring.shared.models.building_blocks import read_target_head
 
     export_dir = Path(export_dir)
-    cfg = json.loads((export_dir / "config.json").read_text())
-    with safe_open(str(export_dir / "model.safetensors"), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    cfg = read_json(export_dir / "config.json")
+    tensors = read_safetensors(export_dir / "model.safetensors")
     check_eagle3_export(cfg, tensors)
     try:
         prov = json.loads((export_dir / "specring_export.json").read_text())
