@@ -124,6 +124,7 @@ def train_main(argv: list[str]) -> int:
     print(line, file=sys.stderr)
     return outcome.exit_code
 
+
 def write_run_report(run_dir: str | Path) -> str:
     """Write ``RUN_DIR/report/`` (``specring.cli.report``) at the end of a run; returns the path of its
     ``index.html``, or ``not written (...)`` saying why: a report never changes a run's outcome."""
