@@ -84,11 +84,11 @@ def live_section(run_dir: Path, refresh_s: float) -> str:
 def refresh_script(refresh_s: float) -> str:
     """Inline script: every ``refresh_s`` seconds fetch the page again and swap its ``<main>`` in place."""
     ms = max(500, int(refresh_s * 1000))
-    return ('<noscript><meta http-equiv="refresh" content="%d"></noscript><script>'
+    return (f'<noscript><meta http-equiv="refresh" content="{max(1, round(refresh_s))}"></noscript><script>'
             "setInterval(async function(){try{const r=await fetch(location.href,{cache:'no-store'});"
             "if(!r.ok)return;const d=new DOMParser().parseFromString(await r.text(),'text/html');"
             "const m=d.getElementById('report');if(m)document.getElementById('report').replaceWith(m);}"
-            "catch(e){}},%d);</script>") % (max(1, round(refresh_s)), ms)
+            f"catch(e){{}}}},{ms});</script>")
 
 
 class LivePage:
@@ -172,10 +172,10 @@ def make_server(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, ref
             if body:
                 self.wfile.write(data)
 
-        def do_GET(self):  # noqa: N802 - http.server's names
+        def do_GET(self):  # http.server's names
             self._answer(True)
 
-        def do_HEAD(self):  # noqa: N802
+        def do_HEAD(self):
             self._answer(False)
 
         def log_message(self, fmt, *args):  # quiet: the URL holds the token

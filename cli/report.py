@@ -33,6 +33,7 @@ import argparse
 import base64
 import html
 import io
+import itertools
 import json
 import math
 import re
@@ -43,19 +44,19 @@ from pathlib import Path
 
 from specring.cli.flags import CommandHelpFormatter
 from specring.cli.main import description
-from specring.supervisor.timeseries import TIMESERIES_FILE, read_timeseries
+from specring.supervisor.timeseries import TIMESERIES_FILE
 
 # name -> (title, what it shows), in the page's order
 PLOTS = {
     "loss": ("Loss", "training loss (metrics.jsonl) against optimizer steps and minutes"),
-    "accuracy": ("Accuracy per draft position", "per_slot_acc / per_step_acc (and DFlash2's selector_acc, "
-                 "topk_recall) against optimizer steps and minutes"),
-    "tau": ("Held-out τ", "τ at checkpoints (eval.jsonl) against GPU-minutes and steps, beside the baselines of "
-            "--eval files"),
+    "accuracy": ("Accuracy per draft position", ("per_slot_acc / per_step_acc (and DFlash2's selector_acc, "
+                                                 "topk_recall) against optimizer steps and minutes")),
+    "tau": ("Held-out τ", ("τ at checkpoints (eval.jsonl) against GPU-minutes and steps, beside the baselines of "
+                           "--eval files")),
     "throughput": ("Throughput", "target tokens/s and draft positions/s against minutes"),
     "rings": ("Ring occupancy", "slots of each producer's ring by state over time (timeseries.jsonl)"),
-    "balance": ("Duty cycle and starvation", "producer duty cycle and consumer starvation over time "
-                "(timeseries.jsonl)"),
+    "balance": ("Duty cycle and starvation", ("producer duty cycle and consumer starvation over time "
+                                              "(timeseries.jsonl)")),
 }
 # per-position metrics of metrics.jsonl: key -> (what a position is, number of the first position)
 POSITION_METRICS = {
@@ -271,7 +272,7 @@ def load_eval_json(path: str | Path) -> dict:
     except (OSError, ValueError) as e:
         raise ValueError(f"--eval {path}: unreadable ({e})") from None
     if not isinstance(d, dict) or not isinstance(d.get("rows"), list):
-        raise ValueError(f"--eval {path}: not an eval JSON of `launch.py eval --output-json` (no rows)")
+        raise ValueError(f"--eval {path}: not an eval JSON of `launch.py eval --output-json` (no rows)")  # noqa: TRY004
     d["_name"] = path.stem
     return d
 
@@ -310,11 +311,11 @@ def _smooth(ys: list[float], window: int) -> list[float]:
     out, acc, cnt, q = [], 0.0, 0, []
     for y in ys:
         q.append(y)
-        if y == y:
+        if not math.isnan(y):
             acc, cnt = acc + y, cnt + 1
         if len(q) > window:
             old = q.pop(0)
-            if old == old:
+            if not math.isnan(old):
                 acc, cnt = acc - old, cnt - 1
         out.append(acc / cnt if cnt else float("nan"))
     return out
@@ -362,7 +363,7 @@ def plot_loss(runs: list[Run]):
     spans = []
     for i, run in enumerate(runs):
         pts = [(m, _f(m.get("loss"))) for m in run.metrics if not m.get("skipped")]
-        pts = [(m, y) for m, y in pts if y == y]
+        pts = [(m, y) for m, y in pts if not math.isnan(y)]
         if not pts:
             continue
         drawn = True
@@ -433,7 +434,7 @@ def plot_accuracy(runs: list[Run]):
                               [r.name for r in runs], fontsize=7, title="runs", title_fontsize=7)
         for a in ax[row]:
             a.grid(alpha=0.3)
-    ax[-1][0].set_xlabel(f"optimizer steps (moving average over 1/40 of each run)")
+    ax[-1][0].set_xlabel("optimizer steps (moving average over 1/40 of each run)")
     ax[-1][1].set_xlabel("minutes")
     _event_legend(fig, seen)
     return fig, False
@@ -542,7 +543,7 @@ def _positions_per_s(m: dict) -> float:
     (``num_blocks`` x the per-position list's length, over ``num_tokens``)."""
     acc = next((m[k] for k in POSITION_METRICS if isinstance(m.get(k), list)), None)
     tps, nb, nt = _f(m.get("tokens_per_s")), _f(m.get("num_blocks")), _f(m.get("num_tokens"))
-    if acc is None or not (tps == tps and nb == nb and nt and nt == nt):
+    if acc is None or math.isnan(tps) or math.isnan(nb) or math.isnan(nt) or not nt:
         return float("nan")
     return tps * nb * len(acc) / nt
 
@@ -558,10 +559,10 @@ def plot_throughput(runs: list[Run]):
         s = run.samples
         if len(s) > 1:
             xs, ys = [], []
-            for a, b in zip(s, s[1:]):
+            for a, b in itertools.pairwise(s):
                 dt = float(b["time"]) - float(a["time"])
                 d = _f(b.get("tokens_trained")) - _f(a.get("tokens_trained"))
-                if dt > 0 and d == d and d >= 0:
+                if dt > 0 and not math.isnan(d) and d >= 0:
                     xs.append(run.minutes(float(b["time"])))
                     ys.append(d / dt)
             if xs:
@@ -582,7 +583,7 @@ def plot_throughput(runs: list[Run]):
             ax[0][0].plot(*_thin(xs, _smooth([float(m["tokens_per_s"]) for m in ms], _window(len(ms)))),
                           label=f"{run.name}: trainer", color=st["color"], linestyle=":", linewidth=1.2)
             pos = [_positions_per_s(m) for m in ms]
-            if any(p == p for p in pos):
+            if any(not math.isnan(p) for p in pos):
                 drawn[1] = True
                 ax[0][1].plot(*_thin(xs, _smooth(pos, _window(len(ms)))), label=run.name, **st)
         for a in ax[0]:
@@ -757,7 +758,7 @@ def runs_table(runs: list[Run]) -> str:
     rows = []
     for r in runs:
         s, m = r.summary, r.metrics
-        loss = [x for x in (_f(x.get("loss")) for x in m) if x == x]
+        loss = [x for x in (_f(x.get("loss")) for x in m) if not math.isnan(x)]
         tau = s.get("tau_last") or next(({"step": e["step"], "tau_mean": e["tau_mean"]} for e in reversed(r.evals)
                                          if _finite(e.get("tau_mean"))), None)
         count = {k: sum(e["event"] == k for e in r.events) for k in ("restart", "hang", "fence")}

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -201,7 +202,7 @@ class _EventHandler(logging.Handler):
             name = EVENTS.get(text.split(" ", 1)[0].split("=", 1)[0])
             if name is not None:
                 self.series.event(name, text, when=record.created)
-        except Exception:  # noqa: BLE001 - a log line never breaks the supervisor
+        except Exception:  # noqa: BLE001, S110 - a log line never breaks the supervisor (nor logs from here)
             pass
 
 
@@ -228,6 +229,6 @@ def read_timeseries(path: str | Path) -> tuple[list[dict], int]:
 
 def _num(x):
     """A finite number rounded for the file, else ``None``."""
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or x != x or x in (float("inf"), float("-inf")):
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
         return None
     return round(float(x), 4)

@@ -35,11 +35,12 @@ def chromium() -> str | None:
 
 
 def browse(url: str, screenshot: Path, profile: Path) -> str:
-    """Open ``url`` in headless Chromium: save a screenshot and return the DOM after load (one browser start)."""
+    """Open ``url`` in headless Chromium: save a screenshot and return the DOM (one browser start), 2.5 s of page time
+    after load, so that the page's own refreshes (every 2 s here) have replaced its content by then."""
     cmd = [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
            "--no-first-run", "--hide-scrollbars", f"--user-data-dir={profile}", "--window-size=1280,2200",
-           f"--screenshot={screenshot}", "--dump-dom", url]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+           "--virtual-time-budget=2500", f"--screenshot={screenshot}", "--dump-dom", url]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return out.stdout
 
@@ -56,7 +57,7 @@ def test_live_page_in_chromium_and_the_report_train_writes(dataset, tmp_path):
         wait_for(lambda: (run_dir / "status.json").is_file() and (run_dir / "timeseries.jsonl").is_file(), 120,
                  "the supervisor's first status tick")
         serve = subprocess.Popen([sys.executable, "launch.py", "status", "--serve", "--run-dir", str(run_dir),
-                                  "--refresh-s", "1"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  "--refresh-s", "2"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                  text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         line = serve.stdout.readline()
         m = re.search(r"(http://127\.0\.0\.1:\d+/[\w-]+/)", line)
