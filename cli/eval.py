@@ -292,9 +292,35 @@ def _decoding_line(sampling: dict[str, Any]) -> str:
             f"seed={sampling['seed']} (lossless check n/a)")
 
 
+def check_eval_output(args: argparse.Namespace) -> None:
+    """Refuse an ``--output-json`` that names a file the evaluation reads or that describes it: a file of the
+    checkpoint or export, a record of its run directory (``supervisor.resume.RUN_RECORDS``), a file of the
+    target's directory, a ``--data`` file or its sidecar (``shared.outputs.check_outputs``; ``ConfigError``
+    naming ``--output-json``)."""
+    from specring.shared import checkpoint as ckpt
+    from specring.shared.data.dataset import sidecar_path
+    from specring.shared.outputs import check_outputs
+    from specring.supervisor.resume import RUN_RECORDS
+
+    inputs: dict[str, Any] = {}
+    if not args.baselines_only and str(args.drafter).lower() not in ("none", ""):
+        step_dir = ckpt.resolve_checkpoint(args.drafter)
+        inputs["drafter"] = step_dir
+        run_dir = Path(step_dir).resolve().parent.parent
+        if (run_dir / "config.json").is_file() and not ckpt.is_export(step_dir):
+            inputs.update({f"run record {name}": run_dir / name for name in RUN_RECORDS})
+        inputs["target directory"] = ckpt.target_of_checkpoint(step_dir)
+    if args.target and Path(args.target).is_dir():
+        inputs["target directory"] = args.target
+    for d in args.data or []:
+        inputs.update({f"--data {d}": d, f"sidecar of --data {d}": sidecar_path(d)})
+    check_outputs("--output-json", {"report": args.output_json}, inputs)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``launch.py eval``: print the τ table (and write ``--output-json``). Exit code 0; 2 for a bad flag
-    or input; 1, with one ``error: evaluation failed: <type>: <message>`` line (no traceback), when decoding
+    or input (an ``--output-json`` that names what the evaluation reads: ``check_eval_output``); 1, with one
+    ``error: evaluation failed: <type>: <message>`` line (no traceback), when decoding
     raised; 1 when, in float32, a greedy speculative output differed from greedy decoding (a bug: decoding
     is lossless; with ``--temperature > 0`` there is no token check). In bfloat16/float16 that is only a
     warning: the verify forward over ``k + 1`` tokens and the one-token greedy step round differently, so a
@@ -305,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     from specring.shared.logs import configure_logging
     configure_logging("eval")
     try:
+        if args.output_json:
+            check_eval_output(args)
         report = run_eval(args)
     except (ConfigError, ValueError, FileNotFoundError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -44,9 +44,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_export_output(output: Path, step_dir: Path, target: str | None) -> None:
+    """Refuse an ``--output`` directory that is, or holds, what the export reads: the checkpoint, its run
+    directory (``--overwrite`` would remove it), or the target's directory (``shared.outputs.check_outputs``;
+    ``ConfigError`` naming ``--output``)."""
+    from specring.shared.outputs import check_outputs
+
+    run_dir = Path(step_dir).resolve().parent.parent
+    inputs = {"checkpoint": step_dir, "target directory": target if target and Path(target).is_dir() else
+              ckpt.target_of_checkpoint(step_dir)}
+    if (run_dir / "config.json").is_file():
+        inputs.update({"run directory": run_dir, "checkpoints directory": Path(step_dir).resolve().parent})
+    check_outputs("--output", {"export directory": output}, inputs)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``launch.py export``: 0 on success, 2 when the checkpoint is refused or a flag is wrong. The checkpoint's
-    drafter family (``shared.drafters``) writes its own serving format."""
+    """``launch.py export``: 0 on success, 2 when the checkpoint is refused, a flag is wrong, or ``--output``
+    collides with what the export reads (``check_export_output``). The checkpoint's drafter family
+    (``shared.drafters``) writes its own serving format."""
     from specring.shared.drafters import get_family
     from specring.shared.logs import configure_logging
 
@@ -56,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         step_dir = ckpt.resolve_checkpoint(args.drafter)
         if ckpt.is_export(step_dir):
             raise ValueError(f"--drafter: {step_dir} is an export already; export from a checkpoint or run directory")
+        check_export_output(Path(args.output), step_dir, args.target)
         family = get_family(ckpt.drafter_kind(step_dir))
         out = family.export(step_dir, Path(args.output), args.target, args.dtype, args.overwrite,
                             args.trust_remote_code)

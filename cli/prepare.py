@@ -113,6 +113,20 @@ def check_inputs(files: list[Path]) -> None:
             parquet_file(p)
 
 
+def check_output_names(output: Path, files: list[Path], tokenizer: Path | None = None) -> None:
+    """Refuse an ``--output`` whose data file, sidecar (``NAME.json``) or their temporary names (``.tmp``)
+    collide with one another, with an input file, or with a file of the tokenizer's directory
+    (``shared.outputs.check_outputs``; ``ConfigError`` naming ``--output``)."""
+    from specring.shared.data.dataset import sidecar_path
+    from specring.shared.outputs import check_outputs
+
+    side = sidecar_path(output)
+    check_outputs("--output", {"data file": output, "sidecar": side,
+                               "temporary data file": output.with_name(output.name + ".tmp"),
+                               "temporary sidecar": side.with_name(side.name + ".tmp")},
+                  {**{f"input {p}": p for p in files}, "tokenizer directory": tokenizer})
+
+
 def _count_rows(files: list[Path]) -> int:
     """Rows to read (Parquet metadata, JSONL non-empty lines), for the progress bar."""
     total = 0
@@ -175,9 +189,10 @@ def prepare_files(inputs: list[str], output: Path, *, tokenizer: Path, max_lengt
     """Tokenize the rows of ``inputs`` (paths, directories or globs) into ``output``; returns the sidecar.
     ``trust_remote_code``: the tokenizer's own code may run (``--trust-remote-code``).
 
-    Raises ``ConfigError`` before anything is written for a ``.parquet`` input that is not Parquet
-    (``check_inputs``)."""
+    Raises ``ConfigError`` before anything is written for an ``output`` that collides with its own sidecar or an
+    input (``check_output_names``) and for a ``.parquet`` input that is not Parquet (``check_inputs``)."""
     files = expand_inputs(inputs)
+    check_output_names(output, files, tokenizer)
     check_inputs(files)
     tok = load_tokenizer(tokenizer, trust_remote_code)
     cfg = EncoderConfig(str(tokenizer), max_length, overlong, vocab_size_of(tokenizer, tok), chat_template,

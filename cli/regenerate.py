@@ -460,6 +460,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_output_names(output: Path, input_path: Path, target: Path) -> None:
+    """Refuse an ``--output`` whose data file, sidecar, temporary names or shard directory (``OUTPUT.parts``)
+    collide with one another, with ``--input`` or its sidecar, or with a file of the target's directory
+    (``shared.outputs.check_outputs``; ``ConfigError`` naming ``--output``)."""
+    from specring.shared.data.dataset import sidecar_path
+    from specring.shared.outputs import check_outputs
+
+    side = sidecar_path(output)
+    check_outputs("--output", {"data file": output, "sidecar": side,
+                               "temporary data file": output.with_name(output.name + ".tmp"),
+                               "temporary sidecar": side.with_name(side.name + ".tmp"),
+                               "shard directory": output.with_name(output.name + ".parts")},
+                  {"--input": input_path, "sidecar of --input": sidecar_path(input_path), "target directory": target})
+
+
 def _devices(text: str) -> list[str]:
     if text == "auto":
         import torch
@@ -499,8 +514,7 @@ def main(argv: list[str]) -> int:
         except (FileNotFoundError, ValueError) as e:
             raise ConfigError(f"--input: {e}") from None
         output = Path(args.output)
-        if output.resolve() == Path(args.input).resolve():
-            raise ConfigError("--output: must differ from --input")
+        check_output_names(output, Path(args.input), Path(args.target))
         devices = _devices(args.devices)
         backend = pick_backend(args.backend)
         st = Settings(target=str(Path(args.target).resolve()), input=str(Path(args.input).resolve()),

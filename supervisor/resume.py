@@ -78,7 +78,8 @@ def stale_sockets(run_dir: Path) -> list[Path]:
 
 def prepare_run_dir(cfg: RunConfig) -> bool:
     """Pick and check ``cfg.run_dir`` (see module docstring); changes nothing on disk. Raises
-    ``ConfigError`` naming ``--run-dir`` or ``--resume``.
+    ``ConfigError`` naming ``--run-dir`` (a directory whose records would replace an input:
+    ``check_run_dir_outputs``) or ``--resume``.
 
     Returns True when a new ``runs/<UTC time>`` was chosen (``claim_run_dir`` then moves ``runs/latest``;
     ``train --plan`` stops before that)."""
@@ -93,6 +94,7 @@ def prepare_run_dir(cfg: RunConfig) -> bool:
         cfg.run_dir = str(paths.runs_dir() / time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
         new_default = True
     run_dir = Path(cfg.run_dir)
+    check_run_dir_outputs(cfg, run_dir)
     pid = supervisor_alive(run_dir)
     if pid is not None:
         raise ConfigError(f"--run-dir: a run is already going in {run_dir} (supervisor pid {pid}); "
@@ -134,6 +136,28 @@ def check_latest_readable(run_dir: Path) -> None:
             how = (f"no checkpoint of {ckpts} reads: restore the file, or move {ckpts} away to train "
                    f"{run_dir} from the beginning")
         raise ConfigError(f"--resume: the latest checkpoint {latest.name} cannot be read: {e}; {how}") from None
+
+
+# what a run writes into its directory (files, then directories)
+RUN_RECORDS = ("config.json", "summary.json", "data.json", "status.json", "topology.json", "metrics.jsonl",
+               "eval.jsonl", "draft_vocab.safetensors", "timeseries.jsonl", "coord.sock", ".lock")
+RUN_DIRS = ("checkpoints", "logs", "tensorboard", "wandb", "mlruns")
+
+
+def check_run_dir_outputs(cfg: RunConfig, run_dir: Path) -> None:
+    """Refuse a ``--run-dir`` whose records (``RUN_RECORDS``, ``RUN_DIRS``) would replace what the run reads: a
+    file of the target's directory (``--run-dir`` the target itself), ``--data``, ``--heldout`` or their
+    sidecars (``shared.outputs.check_outputs``; ``ConfigError`` naming ``--run-dir``)."""
+    from specring.shared.data.dataset import sidecar_path
+    from specring.shared.outputs import check_outputs
+
+    outputs = {f"run record {name}": run_dir / name for name in RUN_RECORDS}
+    outputs.update({f"run's {name} directory": run_dir / name for name in RUN_DIRS})
+    inputs = {"target directory": cfg.producer.target if Path(cfg.producer.target).is_dir() else None}
+    for flag, path in (("--data", cfg.data.data), ("--heldout", cfg.data.heldout)):
+        if path:
+            inputs.update({flag: path, f"sidecar of {flag}": sidecar_path(path)})
+    check_outputs("--run-dir", outputs, inputs)
 
 
 def claim_run_dir(cfg: RunConfig, new_default: bool, record: dict | None = None):
