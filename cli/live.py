@@ -101,6 +101,7 @@ class LivePage:
         self._page: bytes | None = None
         self._sig = None
         self._built = 0.0
+        self._cache: dict = {}  # what was read of the run's JSON-lines files: only appended lines are parsed
 
     def _signature(self):
         sig = []
@@ -125,7 +126,7 @@ class LivePage:
 
     def _build(self) -> str:
         try:
-            run = load_run(self.run_dir)
+            run = load_run(self.run_dir, cache=self._cache)
         except FileNotFoundError as e:
             return (f"<!doctype html><html><head><meta charset=\"utf-8\">{refresh_script(self.refresh_s)}</head>"
                     f'<body><main id="report"><p>{html.escape(str(e))}</p></main></body></html>')

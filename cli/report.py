@@ -36,6 +36,7 @@ import io
 import itertools
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -127,44 +128,75 @@ class Run:
         return self.minutes(t) * max(1, self.gpus)
 
 
-def read_jsonl(path: Path, what: str, problems: list[str], missing: str, need: tuple[str, ...] = ()) -> list[dict]:
+@dataclass
+class _Jsonl:
+    """What has been read of one JSON-lines file (for ``read_jsonl``'s ``cache``): its inode, the offset just past
+    the last whole line read, and the counts so far."""
+    ino: int = -1
+    offset: int = 0
+    lines: int = 0
+    records: list = field(default_factory=list)
+    bad: int = 0
+    lacking: int = 0
+    first_bad: int | None = None
+
+
+def read_jsonl(path: Path, what: str, problems: list[str], missing: str, need: tuple[str, ...] = (),
+               cache: dict | None = None) -> list[dict]:
     """The records of a JSON-lines file (those with every key of ``need``), appending to ``problems`` a sentence
     when it is missing (``missing``: what that means) or when lines do not parse (a truncated last line of a
-    killed process, or garbage) or lack a needed key."""
+    killed process, or garbage) or lack a needed key.
+
+    ``cache`` (a dict kept by the caller, the live page): read only what was appended since the last call, and
+    leave a last line without its newline for the next call (it is being written) instead of counting it; a
+    file that shrank or was replaced is read again from its start."""
     if not path.is_file():
         problems.append(f"{what}: missing ({missing})")
         return []
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            state = cache.get(str(path)) if cache is not None else None
+            if state is None or state.ino != st.st_ino or st.st_size < state.offset:
+                state = _Jsonl(ino=st.st_ino)
+            f.seek(state.offset)
+            raw = f.read()
     except OSError as e:
         problems.append(f"{what}: unreadable ({e}): {missing}")
         return []
-    out, bad, lacking, first_bad = [], 0, 0, None
+    torn_tail = b""
+    if cache is not None and raw and not raw.endswith(b"\n"):
+        cut = raw.rfind(b"\n") + 1
+        raw, torn_tail = raw[:cut], raw[cut:]
     lines = raw.splitlines()
-    for n, line in enumerate(lines, 1):
+    for n, line in enumerate(lines, state.lines + 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
         except ValueError:
-            bad += 1
-            first_bad = first_bad or n
+            state.bad += 1
+            state.first_bad = state.first_bad or n
             continue
         if not isinstance(rec, dict):
-            bad += 1
-            first_bad = first_bad or n
+            state.bad += 1
+            state.first_bad = state.first_bad or n
         elif any(rec.get(k) is None or (k in ("step", "time") and not _finite(rec[k])) for k in need):
-            lacking += 1
+            state.lacking += 1
         else:
-            out.append(rec)
-    if bad:
-        torn = " (the last line is cut short: a process was killed while writing it)" if first_bad == len(lines) \
-            and not raw.endswith(b"\n") else ""
-        problems.append(f"{what}: {bad} of {len(lines)} lines did not parse, first at line {first_bad}{torn}; "
-                        "they are left out")
-    if lacking:
-        problems.append(f"{what}: {lacking} records without {'/'.join(need)} left out")
-    return out
+            state.records.append(rec)
+    state.lines += len(lines)
+    state.offset += len(raw)
+    if cache is not None:
+        cache[str(path)] = state
+    if state.bad:
+        torn = " (the last line is cut short: a process was killed while writing it)" \
+            if state.first_bad == state.lines and state.bad == 1 and not raw.endswith(b"\n") and not torn_tail else ""
+        problems.append(f"{what}: {state.bad} of {state.lines} lines did not parse, first at line {state.first_bad}"
+                        f"{torn}; they are left out")
+    if state.lacking:
+        problems.append(f"{what}: {state.lacking} records without {'/'.join(need)} left out")
+    return list(state.records)
 
 
 def read_json(path: Path, what: str, problems: list[str], missing: str) -> dict:
@@ -183,8 +215,9 @@ def read_json(path: Path, what: str, problems: list[str], missing: str) -> dict:
     return d
 
 
-def load_run(path: str | Path) -> Run:
+def load_run(path: str | Path, cache: dict | None = None) -> Run:
     """Read a run directory for the report; never raises on its content (``Run.problems`` says what is missing).
+    ``cache``: kept by a caller that reads the same run again and again (the live page; see ``read_jsonl``).
     Raises ``FileNotFoundError`` when ``path`` is not a directory."""
     path = Path(path)
     if not path.is_dir():
@@ -198,13 +231,13 @@ def load_run(path: str | Path) -> Run:
                             "written when the run ends: it is still going, or its supervisor was killed")
     run.metrics = read_jsonl(path / "metrics.jsonl", "metrics.jsonl", p,
                              "no optimizer step recorded: no loss, accuracy or draft throughput",
-                             need=("step", "time"))
+                             need=("step", "time"), cache=cache)
     run.evals = read_jsonl(path / "eval.jsonl", "eval.jsonl", p,
                            "no τ evaluation during training: --eval-prompts 0, or no checkpoint reached yet",
-                           need=("step", "time"))
+                           need=("step", "time"), cache=cache)
     ts_missing = ("no ring occupancy, duty cycle or starvation over time (runs from before timeseries.jsonl do "
                   "not have it); minutes count from the first optimizer step")
-    recs = read_jsonl(path / TIMESERIES_FILE, TIMESERIES_FILE, p, ts_missing, need=("kind", "time"))
+    recs = read_jsonl(path / TIMESERIES_FILE, TIMESERIES_FILE, p, ts_missing, need=("kind", "time"), cache=cache)
     run.samples = [r for r in recs if r["kind"] == "sample"]
     run.events = [{"time": float(r["time"]), "event": str(r.get("event")), "text": str(r.get("text", ""))}
                   for r in recs if r["kind"] == "event"]

@@ -306,3 +306,19 @@ def test_no_report_file_names_an_event_kind_the_supervisor_does_not_record():
     from specring.supervisor.timeseries import EVENTS
     assert set(report.EVENT_STYLE) - {"resume"} <= set(EVENTS.values())
     logging.getLogger(__name__).debug("kinds %s", sorted(report.EVENT_STYLE))
+
+
+def test_the_live_page_reads_only_what_was_appended_and_waits_for_a_line_being_written(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    whole = "".join(json.dumps({"step": s, "time": T0 + s}) + "\n" for s in range(3))
+    path.write_text(whole + '{"step": 3, "ti')                # the consumer is writing line 4
+    cache: dict = {}
+    problems: list[str] = []
+    assert [r["step"] for r in report.read_jsonl(path, "m", problems, "", ("step", "time"), cache)] == [0, 1, 2]
+    assert problems == []
+    with open(path, "a") as f:
+        f.write(f'me": {T0 + 3}}}\n' + json.dumps({"step": 4, "time": T0 + 4}) + "\n")
+    assert [r["step"] for r in report.read_jsonl(path, "m", problems, "", ("step", "time"), cache)] == [0, 1, 2, 3, 4]
+    assert problems == [] and cache[str(path)].offset == path.stat().st_size
+    path.write_text(json.dumps({"step": 0, "time": T0}) + "\n")  # rewritten (a resume): read again from the start
+    assert [r["step"] for r in report.read_jsonl(path, "m", problems, "", ("step", "time"), cache)] == [0]
