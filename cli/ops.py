@@ -38,8 +38,8 @@ def status_main(argv: list[str]) -> int:
                                  description=description("status") + " Exits with 1 "
                                  "when no run is going in the run directory (its supervisor has exited).",
                                  epilog="examples:\n"
-                                 "  launch.py status                                   runs/latest, one line a process\n"
-                                 "  launch.py status --serve --port 8765               the live page, on loopback")
+                                 "  launch.py status                         runs/latest, one line a process\n"
+                                 "  launch.py status --serve --port 8765     the live page, on loopback")
     ap.add_argument("--run-dir", default=str(latest_link()), help="the run to ask (default: runs/latest)")
     ap.add_argument("--json", action="store_true", help="print the raw status as JSON")
     live = ap.add_argument_group("live page (--serve: the plots of `launch.py report` and this table, in a browser)")

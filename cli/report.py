@@ -839,6 +839,14 @@ tr.differs td{background:#fff6d5} #missing li{color:#8a4b00} .ok{color:#2d6a2d} 
 """
 
 
+def safe_table(tid: str, make) -> str:
+    """``make()``'s table, or a line saying it failed (a value of an unexpected type in a run's files)."""
+    try:
+        return make()
+    except Exception as e:  # noqa: BLE001 - one table's failure must not cost the page
+        return f'<p id="{tid}" class="empty">this table failed: {html.escape(f"{type(e).__name__}: {e}")}</p>'
+
+
 def render_page(runs: list[Run], evals: list[dict], plots: list[Plot], title: str, live: str = "",
                 head_extra: str = "") -> str:
     """The report's HTML: ``live`` (an HTML fragment: the process table) goes first when given; every plot
@@ -858,7 +866,8 @@ def render_page(runs: list[Run], evals: list[dict], plots: list[Plot], title: st
     else:
         parts.append('<p class="ok">nothing: every file of the run directory was read whole</p>')
     parts.append("</section>")
-    parts.append('<section id="runs"><h2>Runs</h2>' + runs_table(runs) + "</section>")
+    parts.append('<section id="runs"><h2>Runs</h2>' + safe_table("table-runs", lambda: runs_table(runs))
+                 + "</section>")
     parts.append('<section id="plots"><h2>Plots</h2>')
     for p in plots:
         t, what = PLOTS[p.name]
@@ -866,13 +875,17 @@ def render_page(runs: list[Run], evals: list[dict], plots: list[Plot], title: st
                      f'<img alt="{esc(t)}" src="data:image/png;base64,{base64.b64encode(p.png).decode()}">'
                      f"<figcaption><b>{esc(t)}</b>: {esc(what)}</figcaption></figure>")
     parts.append("</section>")
-    parts.append('<section id="events"><h2>Restarts, hangs, fences</h2>' + events_table(runs) + "</section>")
+    parts.append('<section id="events"><h2>Restarts, hangs, fences</h2>'
+                 + safe_table("table-events", lambda: events_table(runs)) + "</section>")
     if evals:
-        parts.append('<section id="evals"><h2>Evaluations (--eval)</h2>' + evals_table(evals) + "</section>")
-    parts.append('<section id="summary"><h2>Summary (summary.json)</h2>'
-                 + _compare_table("table-summary", runs, [r.summary for r in runs]) + "</section>")
-    parts.append('<section id="config"><h2>Configuration (config.json)</h2>'
-                 + _compare_table("table-config", runs, [r.config for r in runs]) + "</section>")
+        parts.append('<section id="evals"><h2>Evaluations (--eval)</h2>'
+                     + safe_table("table-eval", lambda: evals_table(evals)) + "</section>")
+    for tid, sec, title, key in (("table-summary", "summary", "Summary (summary.json)", "summary"),
+                                 ("table-config", "config", "Configuration (config.json)", "config")):
+        parts.append(f'<section id="{sec}"><h2>{title}</h2>'
+                     + safe_table(tid, lambda tid=tid, key=key: _compare_table(tid, runs,
+                                                                              [getattr(r, key) for r in runs]))
+                     + "</section>")
     return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{esc(title)}</title><style>{CSS}</style>{head_extra}</head><body>"
             f'<main id="report">{"".join(parts)}</main></body></html>\n')

@@ -322,3 +322,17 @@ def test_the_live_page_reads_only_what_was_appended_and_waits_for_a_line_being_w
     assert problems == [] and cache[str(path)].offset == path.stat().st_size
     path.write_text(json.dumps({"step": 0, "time": T0}) + "\n")  # rewritten (a resume): read again from the start
     assert [r["step"] for r in report.read_jsonl(path, "m", problems, "", ("step", "time"), cache)] == [0]
+
+
+def test_values_of_unexpected_types_cost_a_table_not_the_page(tmp_path):
+    run = tmp_path / "odd"
+    run.mkdir()
+    (run / "summary.json").write_text(json.dumps({"exit_reason": "done", "restarts": {"0": "x"}}))
+    (run / "config.json").write_text(json.dumps({"producer": {"devices": "cuda:0"}, "nodes": {"nnodes": "2"}}))
+    _jsonl(run / "metrics.jsonl", [{"step": 0, "time": T0, "loss": "nan?", "per_slot_acc": [None, "x"]}])
+    r = report.load_run(run)
+    text = report.render_page([r], [], [], "t")
+    page = Page(text)
+    assert "this table failed: TypeError" in text and "table-runs" in page.ids
+    assert len(page.tables["table-summary"]) > 1 and len(page.tables["table-config"]) > 1
+    assert all(not p.error for p in report.render_plots([r], []))  # odd values are skipped, not fatal
