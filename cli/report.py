@@ -326,6 +326,8 @@ def _png(fig) -> bytes:
 
 
 def _empty(ax, text: str) -> None:
+    """Clear ``ax`` (event marks included) and say in it what is missing."""
+    ax.cla()
     ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True, fontsize=10, color="dimgray",
             transform=ax.transAxes)
     ax.set_xticks([])
@@ -880,9 +882,9 @@ def render_page(runs: list[Run], evals: list[dict], plots: list[Plot], title: st
     if evals:
         parts.append('<section id="evals"><h2>Evaluations (--eval)</h2>'
                      + safe_table("table-eval", lambda: evals_table(evals)) + "</section>")
-    for tid, sec, title, key in (("table-summary", "summary", "Summary (summary.json)", "summary"),
+    for tid, sec, heading, key in (("table-summary", "summary", "Summary (summary.json)", "summary"),
                                  ("table-config", "config", "Configuration (config.json)", "config")):
-        parts.append(f'<section id="{sec}"><h2>{title}</h2>'
+        parts.append(f'<section id="{sec}"><h2>{heading}</h2>'
                      + safe_table(tid, lambda tid=tid, key=key: _compare_table(tid, runs,
                                                                               [getattr(r, key) for r in runs]))
                      + "</section>")
