@@ -407,20 +407,34 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _new_cache(target, record_past: bool = False):
-    """A fresh ``DynamicCache`` for ``target`` (built from its config, so each layer gets its kind's cache layer:
-    attention KV, sliding window, linear-attention conv/recurrent states; transformers 4.x without that
-    argument: a plain ``DynamicCache``). ``record_past``: switch on transformers' past-state recording
-    (``Cache.activate_past_recording``, transformers >= 5.17) where the installed version has it, so that
-    ``crop`` can undo a forward on the layers that support it (sliding windows, convolution windows)."""
-    from transformers import DynamicCache
-    try:
-        cache = DynamicCache(config=target.config)
-    except TypeError:  # transformers 4.x: no config argument
-        cache = DynamicCache()
-    if record_past and hasattr(cache, "activate_past_recording"):
+def _prefill(target, ids: Sequence[int], capture, record_past: bool = False):
+    """The prompt's forward (positions ``0..P-1``, logits of the last position only) with no cache given: the model
+    builds the cache its layers need and returns it (transformers 5.x: ``DynamicCache(config)``, a cache layer per
+    layer kind: attention KV, sliding window, linear-attention conv/recurrent states; 4.x: a model's own class,
+    e.g. ``Qwen3NextDynamicCache``, which a plain ``DynamicCache`` passed in would break). ``record_past``: then
+    switch on transformers' past-state recording where the installed version has it (``_activate_recording``).
+    Returns ``(logits [1, V] float32, features [P, n*H] or None, cache)``; raises ``RuntimeError`` when the model
+    returns no cache."""
+    out, feats = _run(target, ids, 0, None, capture, last_only=True)
+    cache = getattr(out, "cache", None)
+    if cache is None:
+        cache = getattr(out, "past_key_values", None)
+    if cache is None:
+        raise RuntimeError(f"{type(target).__name__} returned no cache from a forward with use_cache=True")
+    if record_past:
+        _activate_recording(cache)
+    return out.logits[0].float(), feats, cache
+
+
+def _activate_recording(cache) -> bool:
+    """Switch on transformers' past-state recording (``Cache.activate_past_recording``, transformers >= 5.17) where
+    the installed version has it, so that ``crop`` can undo a forward on the layers that support it (sliding
+    windows, convolution windows; recording after the prefill is enough: the windows it kept are whole). Returns
+    whether it did."""
+    if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()
-    return cache
+        return True
+    return False
 
 
 def _cache_kwarg(target) -> str:
@@ -436,7 +450,7 @@ def _cache_kwarg(target) -> str:
 def crop_cache(cache, length: int) -> None:
     """Keep the first ``length`` positions of an attention ``DynamicCache`` (through ``crop(-n)``, the form
     every transformers version accepts; z-lab/dflash ``_crop_to`` does the same). With past-state recording
-    on (``_new_cache(record_past=True)``) ``crop(0)`` also runs when nothing is removed: it trims the recorded
+    on (``_activate_recording``) ``crop(0)`` also runs when nothing is removed: it trims the recorded
     sliding and convolution windows back to their working size. Exact only for caches whose every layer can
     be cropped (``TargetCache`` decides; a linear-attention layer's recurrent state cannot). Raises
     ``ValueError`` when the cache holds fewer than ``length`` positions."""
@@ -483,8 +497,33 @@ def exactly_croppable(cache) -> bool:
     verdict = getattr(cache, "is_croppable", None)
     if isinstance(verdict, bool):
         return verdict
-    return not any(getattr(part, a, None) is not None and _holds_tensor(getattr(part, a))
-                   for part in parts for a in _STATE_ATTRS)
+    return not holds_linear_state(cache)
+
+
+def holds_linear_state(cache) -> bool:
+    """Whether some part of ``cache`` holds linear-attention / SSM / convolution state (``_STATE_ATTRS``)."""
+    return any(_holds_tensor(getattr(part, a, None)) for part in _cache_parts(cache) for a in _STATE_ATTRS)
+
+
+def check_linear_attention_support(cache) -> None:
+    """Raise ``RuntimeError`` when ``cache`` holds linear-attention state but the installed transformers predates
+    its cache layers for them (``cache_utils.LinearAttentionCacheLayerMixin``, there in 5.17 and 5.24): the
+    modelling code of those versions (4.57's Qwen3-Next, for one) starts every forward of more than one token
+    from an empty linear-attention state, so a verify forward over a cache is wrong and no rollback can make
+    speculative decoding exact. The message names the version and what to install."""
+    if not holds_linear_state(cache):
+        return
+    import transformers
+    if not _linear_attention_cache_layers():
+        raise RuntimeError(f"this target has linear-attention layers, and transformers {transformers.__version__} "
+                           "restarts their state on every forward of more than one token, so block-verify "
+                           "speculative decoding cannot be exact; install transformers >= 5.17")
+
+
+def _linear_attention_cache_layers() -> bool:
+    """Whether the installed transformers has cache layers for linear attention (the exact multi-token forward)."""
+    from transformers import cache_utils
+    return hasattr(cache_utils, "LinearAttentionCacheLayerMixin")
 
 
 def _holds_tensor(value) -> bool:
@@ -561,15 +600,15 @@ class TargetCache:
       accepted drafts (one more target forward, ``rollback_forwards``), which leaves the states exactly as
       if only the accepted tokens had been fed. A full acceptance needs nothing.
 
-    Past-state recording (``_new_cache(record_past=True)``) is switched on where the installed transformers
-    has it; the recorded windows are trimmed back after each step (``crop(0)``). transformers 5.24's
+    The model builds the cache at the prefill (``_prefill``: the class its layers need, whatever the transformers
+    version), and past-state recording is switched on where the installed transformers has it; the recorded windows are trimmed back after each step (``crop(0)``). transformers 5.24's
     recording covers convolution and sliding windows but no recurrent state (``is_croppable`` is false as
     soon as one exists, and its own assisted generation refuses such caches), hence the replay.
     """
 
     def __init__(self, target):
         self.target = target
-        self.cache = _new_cache(target, record_past=True)
+        self.cache = None                # the model builds it at the prefill (_prefill)
         self.mode: str = ""
         self.length = 0                  # positions fed so far
         self.rollback_forwards = 0
@@ -577,10 +616,11 @@ class TargetCache:
         self._verify_start = 0
 
     def prefill(self, ids: Sequence[int], capture) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The prompt's forward (``_forward`` with ``last_only``); decides ``mode``."""
-        logits, feats = _forward(self.target, ids, 0, self.cache, capture, last_only=True)
+        """The prompt's forward (``_prefill``: the model builds the cache, recording on); decides ``mode``."""
+        logits, feats, self.cache = _prefill(self.target, ids, capture, record_past=True)
         self.length = self._verify_start = len(ids)  # nothing to keep() before a verify forward
         self.mode = "crop" if exactly_croppable(self.cache) else "replay"
+        check_linear_attention_support(self.cache)
         if _recording(self.cache):
             self.cache.crop(0)  # the prompt's recorded windows back to their working size
         return logits, feats
@@ -608,8 +648,10 @@ class TargetCache:
         if not self._verify_start < length <= self.length:
             raise ValueError(f"TargetCache.keep: {length} positions asked, the last verify forward covered "
                              f"{self._verify_start + 1}..{self.length}")
-        if self.mode == "crop":
-            crop_cache(self.cache, length)
+        if self.mode == "crop":  # by the positions fed (a cache of convolution layers only has no seq length)
+            remove = self.length - length
+            if remove or _recording(self.cache):
+                self.cache.crop(-remove)
         elif length < self.length:
             restore_cache(self._snapshot)
             _forward(self.target, list(tokens[self._verify_start:length]), self._verify_start, self.cache, None,
@@ -626,6 +668,12 @@ class TargetCache:
 def _forward(target, ids: Sequence[int], start: int, cache, capture, last_only: bool = False):
     """One target forward of ``ids`` at positions ``start..`` over ``cache``. Returns ``(logits [S|1, V]
     float32, features [S, n*H] or None)``."""
+    out, feats = _run(target, ids, start, cache, capture, last_only)
+    return out.logits[0].float(), feats
+
+
+def _run(target, ids: Sequence[int], start: int, cache, capture, last_only: bool):
+    """``_forward``'s forward: the model's output and the captured features (``capture`` cleared after)."""
     dev = _device_of(target)
     input_ids = torch.tensor([list(ids)], dtype=torch.long, device=dev)
     pos = torch.arange(start, start + len(ids), device=dev)[None]
@@ -635,7 +683,7 @@ def _forward(target, ids: Sequence[int], start: int, cache, capture, last_only: 
     if capture is not None:
         feats = torch.cat([o[0] for o in capture.outputs()], dim=-1)
         capture.clear()
-    return out.logits[0].float(), feats
+    return out, feats
 
 
 def _cut_at_stop(tokens: list[int], stop: set[int]) -> tuple[list[int], bool]:
@@ -656,9 +704,8 @@ def greedy_generate(target, prompt_ids: Sequence[int], max_new_tokens: int,
     """
     _check_args(prompt_ids, max_new_tokens)
     t0 = time.perf_counter()
-    cache = _new_cache(target)
     stop = set(int(t) for t in stop_token_ids)
-    logits, _ = _forward(target, prompt_ids, 0, cache, None, last_only=True)
+    logits, _, cache = _prefill(target, prompt_ids, None)
     tokens = [int(logits[-1].argmax())]
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         logits, _ = _forward(target, tokens[-1:], len(prompt_ids) + len(tokens) - 1, cache, None)
@@ -688,9 +735,8 @@ def sample_generate(target, prompt_ids: Sequence[int], max_new_tokens: int, para
         return greedy_generate(target, prompt_ids, max_new_tokens, stop_token_ids)
     _check_args(prompt_ids, max_new_tokens)
     t0 = time.perf_counter()
-    cache = _new_cache(target)
     stop = set(int(t) for t in stop_token_ids)
-    logits, _ = _forward(target, prompt_ids, 0, cache, None, last_only=True)
+    logits, _, cache = _prefill(target, prompt_ids, None)
     tokens = [draw(params.probs(logits[-1:])[0], generator)]
     while len(tokens) < max_new_tokens and tokens[-1] not in stop:
         logits, _ = _forward(target, tokens[-1:], len(prompt_ids) + len(tokens) - 1, cache, None)

@@ -112,8 +112,7 @@ def test_a_decode_without_the_restore_is_not_lossless(targets, monkeypatch):
 def test_the_portable_fallback_is_exact_on_attention_caches(targets, kind, monkeypatch):
     """Without transformers' past-state recording (as on versions before it) a full sliding window cannot be
     cropped; snapshot, restore and re-run is then the path, and it is as exact as the crop."""
-    plain = spec._new_cache
-    monkeypatch.setattr(spec, "_new_cache", lambda target, record_past=False: plain(target, record_past=False))
+    monkeypatch.setattr(spec, "_activate_recording", lambda cache: False)
     target = targets[kind]
     for i, p in enumerate(prompts(2, length=20)):      # prompts longer than the 6-token windows
         res, truth = oracle_decode(target, p, seed=i)
@@ -143,6 +142,16 @@ def test_a_snapshot_refuses_to_restore_a_tensor_written_in_place(targets):
         restore_cache(snap)
     with pytest.raises(ValueError, match="last verify forward"):
         cache.keep(3, prompts()[0])
+
+
+def test_a_transformers_without_linear_attention_cache_layers_is_refused_by_name(targets, monkeypatch):
+    """transformers before its linear-attention cache layers (4.57's Qwen3-Next) restarts the linear-attention state
+    on each multi-token forward: a verify forward is wrong there, so decoding stops with a message, not a τ."""
+    monkeypatch.setattr(spec, "_linear_attention_cache_layers", lambda: False)
+    with pytest.raises(RuntimeError, match=r"linear-attention layers.*install transformers >= 5\.17"):
+        oracle_decode(targets["qwen3_5"], prompts()[0])
+    res, truth = oracle_decode(targets["qwen3_moe"], prompts()[0])     # attention-only targets are unaffected
+    assert res.tokens == truth
 
 
 # ------------------------------------------------------------------------------------------ real proposers
