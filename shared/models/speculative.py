@@ -777,9 +777,14 @@ def speculative_generate(target, proposer, prompt_ids: Sequence[int], max_new_to
     ``greedy_generate(target, prompt_ids, max_new_tokens, stop_token_ids).tokens``. At temperature > 0:
     speculative sampling (``rejection_sample``) with ``proposer.propose_sample``; every random draw uses
     ``generator`` (a CPU ``torch.Generator``; None: torch's global CPU generator), so a seeded generator
-    reproduces the run, and the output is distributed as ``sample_generate``'s. Raises ``ValueError`` for
-    bad arguments, a proposer without ``propose_sample`` at temperature > 0, or a ``q`` whose vocabulary
-    differs from the target's logits.
+    reproduces the run, and the output is distributed as ``sample_generate``'s.
+
+    The target's cache is rolled back after each partial acceptance by ``TargetCache`` (cropped, or restored and
+    the accepted tokens re-run on linear-attention layers); ``DecodeResult.cache_rollback`` says which and
+    ``rollback_forwards`` counts the re-runs (included in ``target_forwards``). Raises ``ValueError`` for bad
+    arguments, a proposer without ``propose_sample`` at temperature > 0, or a ``q`` whose vocabulary differs from
+    the target's logits; ``RuntimeError`` for a target with linear-attention layers on a transformers without
+    their cache layers (``check_linear_attention_support``).
     """
     from specring.shared.models.target import LayerCapture
 
