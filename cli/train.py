@@ -10,6 +10,7 @@ errors name the flag.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from pathlib import Path
 
@@ -25,7 +26,37 @@ log = logging.getLogger(__name__)
 
 
 def train_main(argv: list[str]) -> int:
-    """``launch.py [train] ...``: resolve and run (or print with ``--plan``). Returns the exit code."""
+    """``launch.py [train] ...``: resolve and run (or print with ``--plan``). Returns the exit code.
+
+    Signals: every one of ``shared.procs.STOP_SIGNALS`` (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1/2, ...) is a
+    graceful stop. Once the supervisor runs, it handles them (consumers checkpoint, ``summary.json``, exit 130);
+    before that (planning, the data digest, claiming the run directory) one ends the command with 130 and a
+    line naming it, nothing started. Lines printed to a terminal that hung up are dropped, not raised."""
+    from specring.shared.procs import install_stop_handlers, restore_handlers
+
+    def before_the_run(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    old = install_stop_handlers(before_the_run)
+    try:
+        return _train_main(argv)
+    except KeyboardInterrupt as e:
+        _say(f"interrupted ({e or 'SIGINT'}): the command stopped outside the run's loop (nothing was left "
+             f"running)")
+        return 130
+    finally:
+        restore_handlers(old)
+
+
+def _say(text: str) -> None:
+    """``print(text, file=sys.stderr)``, dropped when stderr is gone (a closed terminal: EIO; a closed pipe)."""
+    try:
+        print(text, file=sys.stderr)
+    except (OSError, ValueError):
+        pass
+
+
+def _train_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = config_from_args(args)
@@ -94,9 +125,9 @@ def train_main(argv: list[str]) -> int:
         lock.close()
     s = sup.summary
     if cfg.nodes.nnodes > 1 and cfg.nodes.node_rank != 0:  # node 0's summary.json holds the run's ledger
-        print(f"\nnode {cfg.nodes.node_rank} {s['exit_reason']}: its producers and consumers served the run whose "
-              f"ledger node 0 ({cfg.nodes.master_addr}) keeps in its summary.json; this node's: "
-              f"{Path(cfg.run_dir) / 'summary.json'}", file=sys.stderr)
+        _say(f"\nnode {cfg.nodes.node_rank} {s['exit_reason']}: its producers and consumers served the run whose "
+             f"ledger node 0 ({cfg.nodes.master_addr}) keeps in its summary.json; this node's: "
+             f"{Path(cfg.run_dir) / 'summary.json'}")
         return outcome.exit_code
     restarts = " ".join(f"producer{k}={v}" for k, v in s["restarts"].items())
     line = (f"\nrun {s['exit_reason']}: {s['trained_batches']}/{s['planned_batches']} batches trained "
@@ -121,7 +152,7 @@ def train_main(argv: list[str]) -> int:
         line += (f"\n{s['remaining_batches']} batches still to train (not reached, or trained after the last "
                  f"checkpoint); continue with "
                  f"`python launch.py train --run-dir {cfg.run_dir} --resume`")
-    print(line, file=sys.stderr)
+    _say(line)
     return outcome.exit_code
 
 

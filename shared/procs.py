@@ -54,6 +54,27 @@ PR_SET_CHILD_SUBREAPER = 36
 RUN_ID_ENV = "SPECRING_RUN_ID"  # set in every child's environment; inherited by whatever it starts
 EXIT_OK, EXIT_ERROR = 0, 1
 
+# The terminating signals a launcher meets in practice and can catch, each a graceful stop (as torchrun's agent
+# treats SIGINT, SIGTERM, SIGHUP and SIGQUIT): Ctrl-C, kill / Kubernetes / Slurm's time limit, a closed terminal
+# or a dropped ssh session, Ctrl-\, Slurm's `--signal` and LSF's warning signals (SIGUSR1/2), a CPU-time limit,
+# a power-failure notice. SIGKILL and SIGSTOP cannot be caught; SIGPIPE and SIGXFSZ Python ignores (a write fails
+# instead); SIGALRM, SIGPROF and SIGVTALRM are left to timers and profilers.
+STOP_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGXCPU",
+                                       "SIGPWR") if hasattr(signal, name))
+
+
+def install_stop_handlers(handler) -> dict:
+    """Install ``handler(signum, frame)`` for every signal of ``STOP_SIGNALS``; returns the handlers it replaced
+    (``restore_handlers`` puts them back). Only the main thread may call it (``signal.signal``)."""
+    return {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+
+
+def restore_handlers(old: dict) -> None:
+    """Put back the handlers ``install_stop_handlers`` replaced."""
+    for s, h in old.items():
+        signal.signal(s, h if h is not None else signal.SIG_DFL)
+
 
 def _prctl(option: int, arg: int) -> bool:
     if sys.platform.startswith("linux"):
@@ -383,7 +404,7 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
     """The template every child's ``main`` follows; returns the exit code.
 
     Parses ``--run-dir/--index/--generation``, sets the title and parent-death signal, installs
-    SIGTERM/SIGINT handlers that only set the stop flag, connects the DEALER socket, runs ``body(ctx)``
+    handlers of ``STOP_SIGNALS`` (SIGTERM, SIGINT, SIGHUP, ...) that only set the stop flag, connects the DEALER socket, runs ``body(ctx)``
     inside try/finally, and on an exception sends a fatal ``Error`` to the coordinator before exiting 1; a
     body that returns is followed by one last ``Heartbeat`` (its final figures). The body calls
     ``ctx.ready()`` (which sends ``Hello`` and starts the heartbeat thread) once it can take work; the thread
@@ -411,8 +432,7 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
     def on_signal(signum, _frame):
         ctx.stop_reason = signal.Signals(signum).name
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    install_stop_handlers(on_signal)  # every terminating signal it can catch: a graceful stop, as SIGTERM
     code = EXIT_OK
     try:
         body(ctx)

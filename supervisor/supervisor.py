@@ -12,7 +12,8 @@ outcome.
 Guarantees: a producer's unpublished slots are reclaimed only after its process has been reaped; a
 consumer's death ends the run with its last checkpoint kept (``--resume`` continues), and a run whose
 final checkpoint was not written is never reported ``done``; rings and the socket
-are removed in ``finally`` whatever happens, and a SIGKILL of the supervisor itself leaves children that
+are removed in ``finally`` whatever happens (a signal of ``shared.procs.STOP_SIGNALS``, SIGHUP included, is a
+graceful stop), and a SIGKILL of the supervisor itself leaves children that
 die within a second or two (parent-death signal) and segments that the next start sweeps. Nothing a child
 started outlives the child's exit or the run: the child's process group is killed once it has exited, and
 the supervisor, a child subreaper, kills the orphans that come back to it (``shared.procs``); after a
@@ -42,6 +43,8 @@ from specring.shared.procs import (
     RUN_ID_ENV,
     Topology,
     become_subreaper,
+    install_stop_handlers,
+    restore_handlers,
     spawn_child,
     sweep_run_processes,
 )
@@ -102,6 +105,7 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
         self.rings: list[Ring] = []
         self.stop_reason = ""
         self.signals = 0
+        self._hup_seen = False              # a SIGHUP has stopped the run (another one does not escalate)
         self.started_at = time.monotonic()
         self.tokens_trained = 0            # tokens of every step after the first (rate = steady state)
         self.first_trained_at: float | None = None
@@ -197,7 +201,7 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
 
     def run(self) -> Outcome:
         """Run to completion; always cleans up. Returns the exit reason and process exit code."""
-        old_handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        old_handlers = install_stop_handlers(self._on_signal)  # INT, TERM, HUP, QUIT, USR1/2, ...: a graceful stop
         if not become_subreaper():
             log.warning("subreaper=unavailable: processes that a child starts outside its process group may "
                         "outlive it")
@@ -216,8 +220,7 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
             self._cleanup()
             if getattr(self, "timeseries", None) is not None:
                 self.timeseries.close()
-            for s, h in old_handlers.items():
-                signal.signal(s, h)
+            restore_handlers(old_handlers)
             try:
                 failures = self.poll_eval_failures()
             except Exception as e:  # noqa: BLE001 - never in the way of the summary
@@ -252,6 +255,14 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
         return outcome
 
     def _on_signal(self, signum, _frame) -> None:
+        """Any of ``shared.procs.STOP_SIGNALS``: the first stops the run gracefully (consumers checkpoint,
+        ``summary.json``, rings and socket removed), a second one of another kind hard (no waiting for checkpoints).
+        A repeated SIGHUP is the same hang-up (a dropped ssh session hangs up the launcher and its shell, which
+        passes it on): it never escalates."""
+        if signum == signal.SIGHUP and self.stop_reason and self._hup_seen:
+            log.warning("signal=SIGHUP count=%d action=ignored (hang-up already stopping the run)", self.signals)
+            return
+        self._hup_seen = self._hup_seen or signum == signal.SIGHUP
         self.signals += 1
         if not self.stop_reason:
             self.stop_reason = "interrupted"
