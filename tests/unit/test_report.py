@@ -185,6 +185,7 @@ def test_the_report_of_a_run_has_every_plot_and_table_and_needs_no_network(tmp_p
     assert summary["exit_reason"] == "done" and summary["balance.producer_duty_cycle"] == "0.6"
     assert {r[2] for r in page.tables["table-eval"][1:]} >= {"prompt-lookup (n<=3)", "dflash untrained"}
     assert len(page.missing) == 0 and "nothing" in index.read_text()
+    assert "<title>specring report: runA</title>" in index.read_text()
 
 
 def test_two_runs_share_one_page_and_the_rows_that_differ_are_marked(tmp_path, monkeypatch, capsys):
