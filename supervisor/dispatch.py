@@ -54,8 +54,9 @@ class MessageDispatch:
         try:
             channel.send(self.router, msg, to=peer_identity(role, index, self.coordinator.generation(role, index)).encode())
             return True
-        except zmq.ZMQError as e:
-            log.warning("send_failed to=%s-%d kind=%s error=%s", role, index, msg.KIND, e)
+        except zmq.ZMQError as e:  # a peer that is gone or not reading: one line per peer and LOG_EVERY_S
+            self._warn_limited(("send_failed", role, index), "send_failed to=%s-%d kind=%s error=%s", role, index,
+                               msg.KIND, e)
             return False
 
     def _handle_safely(self, peer: bytes, msg) -> None:

@@ -60,6 +60,8 @@ class ChildLifecycle:
         """Kill and reap processes that a child started and left behind (its helpers once it has exited: the
         supervisor is their subreaper); returns how many are still dying."""
         keep = {c.proc.pid for c in self.producers + self.consumers if c.proc is not None}
+        if getattr(self, "reporter", None) is not None and self.reporter.pid is not None:
+            keep.add(self.reporter.pid)  # the trackers' worker (supervisor.reporting) is waited for by the reporter
         killed, pending = kill_orphans(keep, self.run_id)
         for pid, cmd in killed:
             if pid not in self._orphans_seen:

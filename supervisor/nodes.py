@@ -44,10 +44,12 @@ import zmq
 from specring.shared.errors import ConfigError, MessageError
 from specring.shared.transport import channel
 from specring.shared.transport import messages as m
+from specring.supervisor.peers import LogLimiter
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0   # a node link says something at least this often
+SEND_FAILED_LOG_EVERY_S = 10.0  # a node that does not read: one send_failed line per node and event this often
 STORE_ENV = "SPECRING_DIST_STORE"          # host:port of the TCPStore the consumers' process group meets in
 PREFIX_ENV = "SPECRING_DIST_PREFIX"        # the prefix of this run's keys in it
 CHECKPOINTS_ENV = "SPECRING_CHECKPOINTS_DIR"  # node 0's checkpoints directory, read on --resume by other nodes
@@ -223,6 +225,8 @@ class NodeLink:
         self.auth, self.allowed = auth, allowed
         self.last_sent: dict[int, float] = {}   # node → when it was last sent anything (node 0's heartbeats)
         self.rejected = 0
+        self.send_failures = 0                  # sends that could not be queued (a node stopped, gone, not reading)
+        self._log_limiter = LogLimiter(SEND_FAILED_LOG_EVERY_S)
 
     @classmethod
     def server(cls, ctx: zmq.Context, advertise_host: str, bind_host: str = "*") -> "NodeLink":
@@ -263,7 +267,8 @@ class NodeLink:
         self.allowed.keys[key] = node
 
     def send(self, msg: m.NodeMsg, to: int | None = None) -> bool:
-        """Send without blocking (to node ``to`` from node 0); False when the peer is gone or not reading."""
+        """Send without blocking (to node ``to`` from node 0); False when the peer is gone or not reading (counted
+        in ``send_failures``; logged at most once per node and event every ``SEND_FAILED_LOG_EVERY_S``)."""
         try:
             if to is None:
                 self.sock.send(m.encode(msg), flags=zmq.NOBLOCK)
@@ -271,8 +276,13 @@ class NodeLink:
                 self.sock.send_multipart([f"node-{to}".encode(), m.encode(msg)], flags=zmq.NOBLOCK)
             self.last_sent[0 if to is None else to] = time.monotonic()
             return True
-        except zmq.ZMQError as e:
-            log.warning("node_link send_failed to=%s event=%s error=%s", to if to is not None else 0, msg.event, e)
+        except zmq.ZMQError as e:  # rate-limited: a node stopped for 20 s must not write a line per heartbeat
+            self.send_failures += 1
+            key = (0 if to is None else to, msg.event)
+            if self._log_limiter.allow(key):
+                held = self._log_limiter.held(key)
+                log.warning("node_link send_failed to=%s event=%s error=%s%s", key[0], msg.event, e,
+                            f" (and {held} more in the last {SEND_FAILED_LOG_EVERY_S:g} s)" if held else "")
             return False
 
     def recv(self, timeout_s: float = 0.0) -> m.NodeMsg | None:

@@ -191,6 +191,8 @@ class RunRecords:
                                 "rejected_node_frames": self.link.rejected if self.link else 0,
                                 "refused_node_peers": self.link.allowed.refused if self.link and self.link.allowed
                                 else 0}
+        if self.reporter is not None and self.reporter.names:  # what the trackers got (supervisor.reporting)
+            summary["report_to"] = self.reporter.stats()
         p = self.run_dir / "summary.json"
         tmp = p.with_suffix(".tmp")
         tmp.write_text(json.dumps(summary, indent=1))

@@ -54,9 +54,10 @@ def test_wandb_writes_an_offline_run_without_network(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     write_run(tmp_path)
     r = Reporter(["wandb"], tmp_path, "run2", {"trainer": {"lr": 1e-3}})
-    assert "wandb" in r.backends, "the wandb backend did not start"
     r.refresh({"pipeline/tokens_per_s": 900.0})
     r.close()
+    assert r.backends == {"wandb": "started"}, (r.backends, (tmp_path / "logs" / "trackers.log").read_text()[-2000:])
+    assert r.stats()["sent"] == r.stats()["queued"] > 0 and not r.stats()["dropped"]
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert runs and list(runs[0].glob("*.wandb")), "no offline run directory with its records"
 
@@ -107,3 +108,51 @@ def test_a_resumed_run_reports_only_its_own_steps(tmp_path):
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(3, 2.0), (4, 1.0)]
     assert [(e.step, e.value) for e in acc.Scalars("eval/tau")] == [(5, 2.5)]
+
+
+# ------------------------------------------------------------------ a tracker that never answers (issue 27, kind 4)
+@pytest.fixture
+def silent_tracking_server(monkeypatch):
+    """MLflow's tracking URI on a port that completes connections and never answers."""
+    import socket
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{sock.getsockname()[1]}")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "600")
+    yield
+    sock.close()
+
+
+def test_a_tracker_that_never_answers_blocks_neither_refresh_nor_close(tmp_path, silent_tracking_server):
+    pytest.importorskip("mlflow")
+    import time
+    steps = 3000
+    write_run(tmp_path, steps=steps)
+    t0 = time.monotonic()
+    r = Reporter(["mlflow"], tmp_path, "run5", {"trainer": {"lr": 1e-3}}, queue_records=100, close_wait_s=1.0)
+    r.refresh({"pipeline/tokens_per_s": 900.0})
+    assert time.monotonic() - t0 < 2.0          # the worker is stuck in mlflow's start-up, the caller is not
+    s = r.stats()
+    # bounded: the queue (100) and what the worker's stdin pipe holds (64 KiB, records of 100+ bytes); the rest
+    # is dropped and counted
+    assert s["queued"] + s["dropped"] == steps + 2 and s["queued"] <= 100 + 65536 // 100, s
+    t1 = time.monotonic()
+    r.close()
+    assert time.monotonic() - t1 < 1.0 + 3.0, time.monotonic() - t1
+    s = r.stats()
+    assert s["sent"] == 0 and s["not_sent"] == s["queued"] and s["backends"] == {}, s
+    assert r.proc.poll() is not None            # killed, with what it started
+
+
+def test_the_worker_ignores_the_terminals_signals(tmp_path):
+    """The worker runs in a session of its own: Ctrl-C or a hang-up of the launcher's terminal does not reach
+    it (the supervisor decides when the trackers close)."""
+    pytest.importorskip("tensorboard")
+    import os
+    r = Reporter(["tensorboard"], tmp_path, "run6", {})
+    try:
+        assert os.getsid(r.pid) == r.pid and os.getpgid(r.pid) != os.getpgid(0)
+    finally:
+        r.close()
+    assert r.proc.returncode == 0
