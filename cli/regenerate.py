@@ -25,8 +25,12 @@ shards (the vLLM/SGLang backends use one engine on the first device).
 
 Resumable: the prompts are cut into shards of ``--shard-size`` samples; each finished shard is written to
 ``OUTPUT.parts/shard-NNNNN.arrow`` at once, and a rerun with the same arguments skips the shards already
-there (different arguments are refused, naming them). The final file is written under a temporary name and
-renamed, with the usual sidecar (``regenerated``: target, arguments, counts). Input samples that cannot be
+there (different arguments are refused, naming them). Every shard's sidecar records the arguments it was made
+with, and a shard of other arguments (or none) is discarded and made again, never merged; a worker writes a shard
+only while the directory's manifest is its own. Workers die with their launcher (parent-death signal), and a
+signal of ``shared.procs.STOP_SIGNALS`` to the launcher stops them and exits 130, the finished shards kept. The
+final file is written under a temporary name and renamed, with the usual sidecar (``regenerated``: target,
+arguments, counts). Input samples that cannot be
 regenerated (a token outside the target's vocabulary, an assistant turn with no prompt before it, an empty
 sample) are skipped, counted and named by sample index and source row.
 """
@@ -38,7 +42,9 @@ import collections
 import json
 import logging
 import multiprocessing as mp
+import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -313,9 +319,21 @@ def _shard_path(parts: Path, k: int) -> Path:
     return parts / f"shard-{k:05d}.arrow"
 
 
-def _worker(device: str, backend_name: str, st: Settings, shards: list[int], parts: str, queue) -> None:
-    """One device's process: regenerate ``shards`` (indices) and write each as it finishes."""
+def _worker(device: str, backend_name: str, st: Settings, shards: list[int], parts: str, queue,
+            parent_pid: int = 0) -> None:
+    """One device's process: regenerate ``shards`` (indices) and write each as it finishes.
+
+    It dies with its launcher (``PR_SET_PDEATHSIG``: SIGKILL when the launcher dies, whatever killed it; it exits
+    at once when the launcher is already gone) and leaves the terminal's SIGINT/SIGHUP to the launcher, which
+    stops it. A shard is written only while ``parts/manifest.json`` is this regeneration's (``write_shard``)."""
+    from specring.shared.procs import set_parent_death_signal
+    set_parent_death_signal(signal.SIGKILL)
+    if parent_pid and os.getppid() != parent_pid:  # the launcher died before the line above took effect
+        return
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     try:
+        from specring.shared import faults
         from specring.shared.data.dataset import TokenDataset
         ds = TokenDataset(st.input)
         jobs_by_shard = shard_jobs(ds, st)[0]
@@ -324,19 +342,69 @@ def _worker(device: str, backend_name: str, st: Settings, shards: list[int], par
         for k in shards:
             res = run_shard(backend, ds, jobs_by_shard[k], st, stop_ids, pad_id, k,
                             progress=lambda n: queue.put(("prompts", n)))
-            write_shard(Path(parts), k, res)
+            write_shard(Path(parts), k, res, st)
             queue.put(("shard", k))
+            if faults.slow_shard_s():
+                time.sleep(faults.slow_shard_s())
     except BaseException as e:  # reported to the parent, which names the device
         queue.put(("error", f"{device}: {type(e).__name__}: {e}"))
         raise
 
 
-def write_shard(parts: Path, k: int, res) -> None:
-    """Write one finished shard atomically (``ArrowSink`` renames at commit)."""
+def deciding(st: Settings) -> dict:
+    """The arguments that decide a regeneration's output (``Settings.DECIDING``), as the manifest and every
+    shard record them."""
+    return {k: getattr(st, k) for k in Settings.DECIDING}
+
+
+def write_shard(parts: Path, k: int, res, st: Settings) -> None:
+    """Write one finished shard atomically (``ArrowSink`` renames at commit), its sidecar recording the
+    arguments it was made with (``deciding``). Raises ``RuntimeError`` without writing when ``parts`` no longer
+    holds this regeneration's manifest (deleted, or another run with other arguments took the directory)."""
     from specring.shared.data.writer import ArrowSink
+    try:
+        manifest = json.loads((parts / "manifest.json").read_text())
+    except (OSError, ValueError):
+        manifest = None
+    mine = deciding(st)
+    if not isinstance(manifest, dict) or any(manifest.get(key) != v for key, v in mine.items()):
+        raise RuntimeError(f"{parts} no longer holds this regeneration's manifest: shard {k} is not written")
     sink = ArrowSink(_shard_path(parts, k))
     sink.add(res)
-    sink.commit({"shard": k})
+    sink.commit({"shard": k, "settings": mine})
+
+
+def stale_shards(parts: Path, st: Settings) -> list[tuple[Path, str]]:
+    """The shards of ``parts`` that were not made with ``st``'s deciding arguments (their sidecar records other
+    ones, or none, or cannot be read: made by a worker of an earlier run with other arguments, or by a version
+    before shards carried them), each with what differs."""
+    from specring.shared.data.dataset import sidecar_path
+    mine = deciding(st)
+    out = []
+    for shard in sorted(parts.glob("shard-*.arrow")):
+        try:
+            made = json.loads(sidecar_path(shard).read_text()).get("settings")
+        except (OSError, ValueError, AttributeError):
+            made = None
+        if not isinstance(made, dict):
+            out.append((shard, "its arguments are not recorded"))
+            continue
+        diff = [f"{key} {made.get(key)!r} -> {v!r}" for key, v in mine.items() if made.get(key) != v]
+        if diff:
+            out.append((shard, "made with other arguments: " + ", ".join(diff)))
+    return out
+
+
+def discard_stale_shards(parts: Path, st: Settings) -> list[str]:
+    """Remove the shards of ``parts`` that ``stale_shards`` finds (they are generated again); returns one line
+    per shard removed."""
+    from specring.shared.data.dataset import sidecar_path
+    lines = []
+    for shard, why in stale_shards(parts, st):
+        shard.unlink(missing_ok=True)
+        sidecar_path(shard).unlink(missing_ok=True)
+        lines.append(f"discarded {shard.name} ({why}); it is generated again")
+    return lines
 
 
 def shard_jobs(ds, st: Settings) -> tuple[list[list[Job]], list[tuple[str, int, int, str]], collections.Counter]:
@@ -373,7 +441,7 @@ def check_manifest(parts: Path, st: Settings) -> None:
     """Create ``parts/manifest.json`` or check it against ``st``; raises ``ConfigError`` naming the
     arguments that differ from the interrupted run's (its finished shards would not fit)."""
     path = parts / "manifest.json"
-    mine = {k: getattr(st, k) for k in Settings.DECIDING}
+    mine = deciding(st)
     if path.is_file():
         old = json.loads(path.read_text())
         diff = sorted(k for k in Settings.DECIDING if old.get(k) != mine[k])
@@ -386,10 +454,14 @@ def check_manifest(parts: Path, st: Settings) -> None:
 
 
 def merge(parts: Path, num_shards: int, output: Path, st: Settings, meta: dict) -> dict:
-    """Concatenate the shards (and the input with ``include_input``) into ``output``; returns the sidecar."""
+    """Concatenate the shards (and the input with ``include_input``) into ``output``; returns the sidecar.
+    Raises ``ConfigError`` when a shard was not made with ``st``'s arguments (``stale_shards``)."""
     from specring.shared.data.dataset import TokenDataset
     from specring.shared.data.encode import _result
     from specring.shared.data.writer import ArrowSink
+    stale = stale_shards(parts, st)
+    if stale:  # discarded at the start of this run: a shard written since is no part of it
+        raise ConfigError(f"{stale[0][0]}: {stale[0][1]}; rerun the same command to generate it again")
     sink = ArrowSink(output)
     try:
         generated = 0
@@ -490,8 +562,10 @@ def _devices(text: str) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    """``launch.py regenerate``: 0 on success, 2 for a bad flag or input, 1 when a worker failed (its finished
-    shards are kept: rerun the same command to resume)."""
+    """``launch.py regenerate``: 0 on success, 2 for a bad flag or input, 1 when a worker failed, 130 when a
+    signal of ``shared.procs.STOP_SIGNALS`` stopped it (its workers stopped with it; the finished shards are
+    kept: rerun the same command to resume). A shard made with other arguments than this run's (an earlier
+    run's worker) is discarded and generated again (``discard_stale_shards``)."""
     args = build_parser().parse_args(argv)
     from tqdm import tqdm
 
@@ -526,6 +600,8 @@ def main(argv: list[str]) -> int:
         shards, bad, counts = shard_jobs(ds, st)
         parts = output.with_name(output.name + ".parts")
         check_manifest(parts, st)
+        for line in discard_stale_shards(parts, st):  # parts carry their arguments: none of another run is kept
+            print(f"regenerate: {line}", file=sys.stderr)
     except ConfigError as e:
         print(f"regenerate: error: {e}", file=sys.stderr)
         return 2
@@ -546,12 +622,19 @@ def main(argv: list[str]) -> int:
     for w, dev in enumerate(workers):
         mine = todo[w::len(workers)]
         if mine:
-            procs.append(ctx.Process(target=_worker, args=(dev, backend, st, mine, str(parts), queue)))
-    for p in procs:
-        p.start()
+            procs.append(ctx.Process(target=_worker, args=(dev, backend, st, mine, str(parts), queue, os.getpid())))
     failed = []
+    interrupted = ""
+    from specring.shared.procs import install_stop_handlers, restore_handlers
+
+    def on_signal(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    old_handlers = install_stop_handlers(on_signal)  # INT, TERM, HUP, ...: stop the workers, keep their shards
     bar = tqdm(total=num_prompts, unit="prompt", desc="regenerate", disable=args.no_progress, file=sys.stderr)
     try:
+        for p in procs:
+            p.start()
         while any(p.is_alive() for p in procs) or not queue.empty():
             try:
                 kind, value = queue.get(timeout=0.5)
@@ -561,12 +644,23 @@ def main(argv: list[str]) -> int:
                 bar.update(value)
             elif kind == "error":
                 failed.append(value)
+    except KeyboardInterrupt as e:
+        interrupted = str(e) or "SIGINT"
     finally:
         bar.close()
         for p in procs:
+            if interrupted and p.is_alive():
+                p.kill()
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
+        restore_handlers(old_handlers)
+    if interrupted:
+        done = sum(_shard_path(parts, k).is_file() for k in range(len(shards)))
+        print(f"regenerate: interrupted ({interrupted}): its workers are stopped; {done}/{len(shards)} shards are done "
+              f"and kept in {parts}: rerun the same command to resume", file=sys.stderr)
+        return 130
     missing = [k for k in range(len(shards)) if not _shard_path(parts, k).is_file()]
     if failed or missing:
         print(f"regenerate: error: {'; '.join(failed) or 'a worker died'}; {len(shards) - len(missing)}/{len(shards)} "

@@ -31,6 +31,10 @@ does not parse is a ``ConfigError`` naming the variable. The hooks:
     The consumer's tau evaluation raises ``RuntimeError`` before its first prompt (``fail_eval``,
     ``consumer.tau``), so a test can see that a failed evaluation is named, not silent.
 
+``SPECRING_SLOW_SHARD_S=<seconds>``
+    A ``launch.py regenerate`` worker sleeps this long after writing each shard (``slow_shard_s``), so a test
+    can stop or kill the launcher while its workers live, between two shards.
+
 ``SPECRING_RUN_ID`` is no hook: it marks a run's processes (``shared.procs``).
 """
 
@@ -54,6 +58,7 @@ INJECT_NONFINITE_ENV = "SPECRING_INJECT_NONFINITE"
 SLOW_CHECKPOINT_ENV = "SPECRING_SLOW_CHECKPOINT_S"
 SLOW_EVAL_ENV = "SPECRING_SLOW_EVAL_S"
 FAIL_EVAL_ENV = "SPECRING_FAIL_EVAL"
+SLOW_SHARD_ENV = "SPECRING_SLOW_SHARD_S"
 _warned: set[str] = set()  # hooks whose "fault ..." line this process has logged
 
 
@@ -131,6 +136,11 @@ def slow_checkpoint_s() -> float:
 def slow_eval_s() -> float:
     """``$SPECRING_SLOW_EVAL_S``: seconds the tau evaluation sleeps after each prompt (0 when unset)."""
     return _seconds_hook(SLOW_EVAL_ENV)
+
+
+def slow_shard_s() -> float:
+    """``$SPECRING_SLOW_SHARD_S``: seconds a regenerate worker sleeps after each shard it wrote (0 when unset)."""
+    return _seconds_hook(SLOW_SHARD_ENV)
 
 
 def fail_eval() -> bool:

@@ -102,7 +102,7 @@ def test_finished_shards_are_kept_and_skipped_on_rerun_and_other_arguments_refus
     rg.check_manifest(parts, st)
     marker = np.asarray([7] * 5, np.int32)  # a shard "finished before the interruption", recognisable
     rg.write_shard(parts, 0, _result([marker], [np.ones(5, np.uint8)], [5], [0], [0], 1,
-                                     __import__("collections").Counter(), []))
+                                     __import__("collections").Counter(), []), st)
     assert run(tmp_path, inp, *args, "--max-new-tokens", "5") == 2
     assert "max_new_tokens" in capsys.readouterr().err
     assert run(tmp_path, inp, *args) == 0
