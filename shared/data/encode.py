@@ -389,6 +389,10 @@ _WORKER: dict[str, Encoder] = {}
 
 
 def _init_worker(cfg: EncoderConfig) -> None:
+    import signal
+
+    from specring.shared.procs import set_parent_death_signal
+    set_parent_death_signal(signal.SIGKILL)          # a tokenizer worker dies with its launcher, whatever kills it
     os.environ["TOKENIZERS_PARALLELISM"] = "false"   # one process per core already
     _WORKER["encoder"] = Encoder(cfg)
 
