@@ -47,7 +47,7 @@ def test_drafter_flags_and_their_defaults():
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--drafter", "medusa"], "argument --drafter: expected one of dflash, eagle3"),
+    (["--drafter", "medusa"], "argument --drafter: expected one of dflash, dflash2, eagle3"),
     (["--draft-vocab", "none"], "argument --draft-vocab: expected an integer"),
 ])
 def test_bad_drafter_flag_values_are_named(argv, needle, capsys):
