@@ -947,13 +947,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``launch.py report``: write the report and print the path of its ``index.html``. Exit code 0; 2 when a
-    run directory does not exist or an ``--eval`` file is unreadable."""
+    run directory does not exist or an ``--eval`` file is unreadable; 1 when the report cannot be written (a
+    read-only or full disk)."""
     args = build_parser().parse_args(argv)
     try:
         page = write_report(args.run_dirs, args.output, args.eval)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"error: the report cannot be written: {e}", file=sys.stderr)
+        return 1
     print(f"report: {page}")
     return 0
 
