@@ -5,7 +5,9 @@ Input rows (one JSON object per JSONL line, or one Parquet row) carry one of:
 * ``text``: a string, tokenized as is (the tokenizer's own special tokens added); loss on every token.
 * ``messages`` or ``conversations``: a list of turns, ``{"role", "content"}`` or ShareGPT
   ``{"from", "value"}`` (``human`` -> user, ``gpt`` -> assistant), rendered with the tokenizer's chat
-  template; loss on assistant turns only (see ``render_chat`` for exactly which tokens).
+  template; loss on assistant turns only (see ``render_chat`` for exactly which tokens). Tool use reaches the
+  template: the row's ``tools``, assistant turns' ``tool_calls`` (their rendering carries loss), tool turns'
+  ``tool_call_id``; rows whose tools or calls the template does not render are bad rows that name them.
 * ``input_ids`` (and optionally ``loss_mask``, all ones when absent): already tokenized.
 
 Output: ``--output PATH`` (Arrow IPC file, format in ``specring.shared.data.dataset``) and its sidecar

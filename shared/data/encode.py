@@ -42,6 +42,11 @@ BAD_KINDS = {
     "no_assistant_turn": "a conversation without an assistant turn",
     "template_error": "the chat template failed to render the conversation",
     "template_mismatch": "an assistant turn cannot be located in the rendered template (dropped, repeated or moved)",
+    "bad_tool_calls": "tool_calls that are not a list of objects with a function name, or tools that are not a "
+                      "list of objects",
+    "tool_calls_not_rendered": "an assistant turn's tool_calls that the chat template does not render (it does not "
+                               "support tool calls): the sample would teach a turn without its calls",
+    "tools_not_rendered": "the row's tools that the chat template does not render (it does not support tools)",
     "bad_input_ids": "input_ids or loss_mask is not a flat list of integers",
     "token_out_of_range": "a token id < 0 or >= the vocab size",
     "loss_mask_length": "loss_mask length differs from input_ids length",
@@ -94,8 +99,13 @@ def vocab_size_of(tokenizer_dir: str | Path, tok) -> int:
     return len(tok)
 
 
-def normalize_turns(turns: Any) -> list[dict[str, str]]:
-    """``[{"role", "content"}]`` from role/content or ShareGPT from/value turns; raises ``BadRow``."""
+def normalize_turns(turns: Any) -> list[dict[str, Any]]:
+    """``[{"role", "content"}]`` from role/content or ShareGPT from/value turns; raises ``BadRow``.
+
+    Tool use is kept for the chat template: an assistant turn's ``tool_calls`` (OpenAI's ``{"type": "function",
+    "function": {"name", "arguments"}}`` or a bare ``{"name", "arguments"}``; ``arguments`` given as JSON text are
+    parsed into an object, as vLLM does before it renders a template), a tool turn's ``tool_call_id`` and
+    ``name``. A turn with tool calls may have no content. Malformed tool calls are ``bad_tool_calls``."""
     if not isinstance(turns, list) or not turns:
         raise BadRow("bad_turn", "messages/conversations must be a non-empty list")
     out = []
@@ -110,11 +120,100 @@ def normalize_turns(turns: Any) -> list[dict[str, str]]:
             raise BadRow("bad_turn", f"turn {i}: role and content must be strings")
         if role.lower() not in ROLE_ALIASES:
             raise BadRow("unknown_role", f"turn {i}: role {role!r}")
-        out.append({"role": ROLE_ALIASES[role.lower()], "content": content})
+        turn: dict[str, Any] = {"role": ROLE_ALIASES[role.lower()], "content": content}
+        if t.get("tool_calls") is not None:
+            if turn["role"] != "assistant":
+                raise BadRow("bad_tool_calls", f"turn {i}: tool_calls on a {turn['role']} turn")
+            turn["tool_calls"] = _tool_calls(t["tool_calls"], i)
+        for key in ("tool_call_id", "name"):
+            if isinstance(t.get(key), str) and turn["role"] == "tool":
+                turn[key] = t[key]
+        out.append(turn)
     return out
 
 
-def render_chat(tok, turns: list[dict[str, str]], chat_template: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """The tool calls of turn ``i`` for the template (``normalize_turns``); raises ``BadRow("bad_tool_calls")``."""
+    if not isinstance(calls, list) or not calls:
+        raise BadRow("bad_tool_calls", f"turn {i}: tool_calls must be a non-empty list")
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRow("bad_tool_calls", f"turn {i}: tool call {k} has no function name")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                parsed = json.loads(args)
+                args = parsed if isinstance(parsed, dict) else args
+            except ValueError:
+                pass
+        fn = {**fn, "arguments": {} if args is None else args}
+        out.append({**call, "function": fn} if "function" in call else {"type": "function", "function": fn})
+    return out
+
+
+def row_tools(raw: Any) -> list[dict[str, Any]] | None:
+    """A row's ``tools`` (a list of objects, or its JSON text) for the chat template; None when absent or empty.
+    Raises ``BadRow("bad_tool_calls")`` for anything else."""
+    if raw is None or raw == "" or raw == []:
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except ValueError:
+            raise BadRow("bad_tool_calls", "tools is text that is not JSON") from None
+    if not isinstance(raw, list) or not all(isinstance(x, dict) for x in raw):
+        raise BadRow("bad_tool_calls", "tools must be a list of objects")
+    return raw or None
+
+
+def _render(tok, turns: list[dict[str, Any]], chat_template: str | None, tools: list | None) -> str:
+    """The conversation as the template renders it (``tools`` passed when there are some)."""
+    kw = {"tools": tools} if tools else {}
+    return tok.apply_chat_template(turns, tokenize=False, chat_template=chat_template, **kw)
+
+
+def tool_call_spans(tok, turns: list[dict[str, Any]], text: str, chat_template: str | None = None,
+                    tools: list | None = None) -> list[tuple[int, int]]:
+    """Character spans of ``text`` that the template rendered from each assistant turn's ``tool_calls``: what
+    differs between ``text`` and the conversation rendered without that turn's calls (the common prefix and
+    suffix of the two taken away). The model writes those calls when it is served, so they carry loss like the
+    content. Raises ``BadRow("tool_calls_not_rendered")`` naming the turn when the template renders nothing of
+    them, ``BadRow("template_error")`` when the template fails without them."""
+    out = []
+    for i, t in enumerate(turns):
+        if t["role"] != "assistant" or not t.get("tool_calls"):
+            continue
+        without = [dict(u) for u in turns]
+        del without[i]["tool_calls"]
+        try:
+            other = _render(tok, without, chat_template, tools)
+        except Exception as e:  # noqa: BLE001 - jinja errors
+            raise BadRow("template_error", f"{type(e).__name__}: {e}") from None
+        p, limit = 0, min(len(text), len(other))
+        while p < limit and text[p] == other[p]:
+            p += 1
+        q = 0
+        while q < limit - p and text[-1 - q] == other[-1 - q]:
+            q += 1
+        grow = len(text) - len(other)
+        if grow > 0 and p + grow + q == len(text):  # an insertion: put it at its earliest place, before the text
+            start = max(0, p - grow)                  # it shares with what follows ("<tool_call>" before "<|im_end|>")
+            while start < p and text[start + grow:] != other[start:]:
+                start += 1
+            p, q = start, len(text) - start - grow
+        if len(text) - q <= p:
+            names = [c["function"]["name"] for c in t["tool_calls"]]
+            raise BadRow("tool_calls_not_rendered", f"turn {i}: the chat template renders none of its tool calls "
+                                                    f"{names}; use a template that supports tool calls "
+                                                    f"(--chat-template)")
+        out.append((p, len(text) - q))
+    return out
+
+
+def render_chat(tok, turns: list[dict[str, Any]], chat_template: str | None = None,
+                tools: list | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Tokens of a conversation rendered with the chat template, and its assistant loss mask.
 
     Returns ``(input_ids [T] int32, loss_mask [T] uint8)``. ``loss_mask`` is 1 on every token that
@@ -127,19 +226,35 @@ def render_chat(tok, turns: list[dict[str, str]], chat_template: str | None = No
     assistant turns and templates that add text or transform the content (``| trim``), with or without
     ``{% generation %}`` markers. Raises ``BadRow`` (``no_assistant_turn``, ``template_error``,
     ``template_mismatch``).
+
+    Tool use: ``tools`` (the row's) go to the template, and so do the turns' ``tool_calls`` (``normalize_turns``);
+    the text the template renders from an assistant turn's tool calls carries loss as its content does
+    (``tool_call_spans``; joined to the content's span across the whitespace between them), with the
+    end-of-turn token after it. A template that renders the tools or tool calls as if they were not there raises
+    ``BadRow("tools_not_rendered")`` / ``BadRow("tool_calls_not_rendered")``: silently dropped calls would
+    teach the drafter turns that the target never writes.
     """
     if not any(t["role"] == "assistant" for t in turns):
         raise BadRow("no_assistant_turn")
     try:
-        text = tok.apply_chat_template(turns, tokenize=False, chat_template=chat_template)
+        text = _render(tok, turns, chat_template, tools)
     except Exception as e:  # jinja errors, "roles must alternate", no template at all
         raise BadRow("template_error", f"{type(e).__name__}: {e}") from None
+    if tools:
+        try:
+            bare = _render(tok, turns, chat_template, None)
+        except Exception:  # noqa: BLE001 - a template that needs its tools: it renders them
+            bare = None
+        if bare == text:
+            raise BadRow("tools_not_rendered", f"the chat template renders none of the row's {len(tools)} tools; use "
+                                               f"a template that supports tools (--chat-template)")
     try:
-        spans = assistant_spans(tok, turns, text, chat_template, include_empty=True)
+        spans = assistant_spans(tok, turns, text, chat_template, include_empty=True, tools=tools)
     except BadRow:
         if all(t["content"] for t in turns if t["role"] == "assistant"):
             raise
-        spans = assistant_spans(tok, turns, text, chat_template)  # empty turns rendered apart: no loss
+        spans = assistant_spans(tok, turns, text, chat_template, tools=tools)  # empty turns rendered apart: no loss
+    spans = _join_spans(text, spans, tool_call_spans(tok, turns, text, chat_template, tools))
     enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
     offs = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
@@ -153,8 +268,23 @@ def render_chat(tok, turns: list[dict[str, str]], chat_template: str | None = No
     return ids.astype(np.int32), mask
 
 
-def assistant_spans(tok, turns: list[dict[str, str]], text: str, chat_template: str | None = None,
-                    include_empty: bool = False) -> list[tuple[int, int]]:
+def _join_spans(text: str, content: list[tuple[int, int]], calls: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The content spans and the tool-call spans in text order, each tool-call span joined to the content span
+    just before it when only whitespace lies between them (a turn's content and its calls: one span)."""
+    if not calls:
+        return content
+    tagged = sorted([(a, b, False) for a, b in content] + [(a, b, True) for a, b in calls])
+    out: list[tuple[int, int]] = []
+    for a, b, is_call in tagged:
+        if is_call and out and (a <= out[-1][1] or not text[out[-1][1]:a].strip()):
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def assistant_spans(tok, turns: list[dict[str, Any]], text: str, chat_template: str | None = None,
+                    include_empty: bool = False, tools: list | None = None) -> list[tuple[int, int]]:
     """Character spans ``[(start, end)]`` of ``text`` (the conversation as the template renders it) that
     the template rendered from the assistant contents, in turn order: the non-empty ones, and with
     ``include_empty`` the empty ones too (as empty spans ``(p, p)`` where they sit). A content that renders
@@ -184,7 +314,7 @@ def assistant_spans(tok, turns: list[dict[str, str]], text: str, chat_template: 
         nonce += 1
     probe = [dict(t, content=marks[i]) if i in marks else t for i, t in enumerate(turns)]
     try:
-        marked = tok.apply_chat_template(probe, tokenize=False, chat_template=chat_template)
+        marked = _render(tok, probe, chat_template, tools)
     except Exception as e:
         raise BadRow("template_error", f"{type(e).__name__}: {e}") from None
     pieces, pos = [], 0
@@ -273,7 +403,8 @@ class Encoder:
             ids, mask = self._pretokenized(rec["input_ids"], rec.get("loss_mask"))
         elif rec.get("messages") is not None or rec.get("conversations") is not None:
             turns = rec.get("messages") if rec.get("messages") is not None else rec.get("conversations")
-            ids, mask = render_chat(self.tok, normalize_turns(turns), self.cfg.chat_template)
+            ids, mask = render_chat(self.tok, normalize_turns(turns), self.cfg.chat_template,
+                                    tools=row_tools(rec.get("tools")))
         elif "text" in rec:
             text = rec["text"]
             if not isinstance(text, str) or not text.strip():
