@@ -185,15 +185,13 @@ class MessageDispatch:
                     "balance": self._balance(steady=False)}
             reply = m.Reply(ok=True, text="", data=data)
         elif cmd.action == "restart" and cmd.role == "producer" and self._child("producer", cmd.index):
-            child = self.producers[cmd.index]
-            if child.alive():
-                child.graceful_restart = True
-                self._send("producer", cmd.index, m.Shutdown(reason="restart requested"))
-                gen = self.coordinator.generation("producer", cmd.index)
-                log.info("restart_requested producer=%d generation=%d", cmd.index, gen)
-                reply = m.Reply(ok=True, text=f"producer {cmd.index} (generation {gen}) is restarting")
-            else:
-                reply = m.Reply(ok=False, text=f"producer {cmd.index} is not running (state {child.state})")
+            ok, text = self._restart_producer(cmd.index)
+            reply = m.Reply(ok=ok, text=text)
+        elif cmd.action == "restart" and cmd.role == "producer" and self.topo is not None:
+            reply = self._restart_elsewhere(cmd.index)
+        elif cmd.action == "restart" and cmd.role == "producer":
+            reply = m.Reply(ok=False, text=f"no producer {cmd.index}: the run has producers "
+                                           f"0..{len(self.producers) - 1}")
         elif cmd.action == "stop":
             self.stop_reason = self.stop_reason or "stop_requested"
             reply = m.Reply(ok=True, text="stopping: consumers will checkpoint")
@@ -207,6 +205,41 @@ class MessageDispatch:
                                peer_name(peer), self.gate.drop_s)
         except zmq.ZMQError:
             pass  # gone already
+
+    def _restart_producer(self, index: int) -> tuple[bool, str]:
+        """Restart this node's producer ``index`` gracefully (it finishes its batch, exits, and the monitor starts
+        its next generation); ``(ok, what the operator is told)``."""
+        child = self.producers[index]
+        if not child.alive():
+            return False, f"producer {index} is not running (state {child.state})"
+        child.graceful_restart = True
+        self._send("producer", index, m.Shutdown(reason="restart requested"))
+        gen = self.coordinator.generation("producer", index)
+        log.info("restart_requested producer=%d generation=%d", index, gen)
+        return True, f"producer {index} (generation {gen}) is restarting"
+
+    def _restart_elsewhere(self, index) -> m.Reply:
+        """Several nodes: ``restart producer N`` of a producer that is not this node's. Node 0 takes N as the
+        global index (``launch.py status`` of node k lists its own from 0) and passes the restart to the node that
+        owns it over the node link; another node says where N is to be asked."""
+        t = self.topo
+        total = sum(t.producers)
+        if self.relay is not None:  # node k: its own producers by local index; the others through node 0
+            return m.Reply(ok=False, text=f"node {t.node_rank} has producers 0..{t.producers[t.node_rank] - 1} "
+                                          f"(local indices); restart another node's producer on that node, or on "
+                                          f"node 0 by its global index (0..{total - 1})")
+        if not (isinstance(index, int) and 0 <= index < total):
+            return m.Reply(ok=False, text=f"no producer {index}: the run has producers 0..{total - 1} (global "
+                                          f"indices, node by node: {t.producers})")
+        node = t.nodes_of("producer")[index]
+        local = index - sum(t.producers[:node])
+        if node in self.dead_nodes or not self.link.send(
+                m.NodeMsg(node=0, event="restart", role="producer", index=index), to=node):
+            return m.Reply(ok=False, text=f"producer {index} is producer {local} of node {node}, which cannot be "
+                                          f"reached now; run `launch.py restart producer {local}` on node {node}")
+        log.info("restart_requested producer=%d node=%d local=%d (passed to its node)", index, node, local)
+        return m.Reply(ok=True, text=f"producer {index} is producer {local} of node {node}: restart passed to node "
+                                     f"{node} (its log says restart_requested)")
 
     def _warn_limited(self, key, fmt: str, *args) -> None:
         """``log.warning`` at most once per ``LOG_EVERY_S`` per key (a peer's flood is not a log flood)."""

@@ -63,6 +63,13 @@ class NodeEvents:
                 elif nm.event == "stop" and not self.stop_reason:
                     self.stop_reason, self.stop_from_node0 = nm.reason or "stopped_by_node_0", True
                     log.info("stop from node 0 reason=%s", self.stop_reason)
+                elif nm.event == "restart" and nm.role == "producer":  # an operator's restart, through node 0
+                    local = nm.index - self.topo.offset("producer")
+                    if self._child("producer", local) is None:
+                        raise IndexError(f"producer {nm.index} is not one of node {rank}'s")
+                    ok, text = self._restart_producer(local)
+                    if not ok:
+                        log.warning("restart from node 0 producer=%d: %s", local, text)
             except (MessageError, IndexError) as e:
                 self.rejected_frames += 1
                 log.warning("node_link reject node=%d event=%s error=%s", nm.node, nm.event, e)

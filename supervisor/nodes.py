@@ -9,7 +9,8 @@ consumers. ``docs/DESIGN.md`` ("Several nodes") describes the whole; this module
   Node 0 publishes its control endpoint, its CURVE public key, the digest of the run plan and where its
   checkpoints live; node ``k`` registers its own CURVE public key and its plan digest under its rank (set once:
   a second node with the same rank is refused), and gets node 0's verdict: a node whose plan differs (other
-  data, flags or consumer count) is refused with an error naming what differs. The consumers of every node join
+  data, flags, consumer count, or another target or tokenizer by content: ``plan_record``) is refused with an
+  error naming what differs. The consumers of every node join
   one data-parallel group through the same store (``consumer_store_env``).
 * ``NodeLink``: the control link, ZeroMQ over TCP with CURVE (``zmq.has("curve")``): node 0 binds a ROUTER as
   CURVE server and admits only the client keys registered at the rendezvous (a ZAP handler,
@@ -81,20 +82,48 @@ class NodeTopology:
         return [n for n, c in enumerate(counts) for _ in range(c)]
 
 
+def _digest(x) -> str:
+    return hashlib.sha256(json.dumps(x, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+# the producer fields that shape what is captured besides the target itself (its layers are compared resolved)
+CAPTURE_FIELDS = ("dtype", "random_weights", "trust_remote_code")
+WHY = {"target weights": "the target checkpoints' weights differ (compared by content, not path: a copy elsewhere "
+                         "is fine)",
+       "target config": "the target checkpoints' config.json (or the modelling code they ship) differ",
+       "tokenizer": "the target checkpoints' tokenizers differ"}
+
+
 def plan_record(cfg, plan) -> dict[str, str]:
     """What every node must agree on, one short digest per item: the batch order, the data, the captured
-    layers, the steps, the slot size, the consumers per node and each trainer field. Nodes that differ in any
-    would train different runs; ``plan_differences`` names the items."""
-    def digest(x) -> str:
-        return hashlib.sha256(json.dumps(x, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-    record = {"batch order": digest([b.batch_id for b in plan.order]), "data": digest(plan.data_digest),
-              "target layers": digest(plan.target_layer_ids), "optimizer steps": digest(plan.total_steps),
-              "slot size": digest(plan.slot_bytes), "consumers per node": digest(len(cfg.trainer.devices))}
+    layers, the steps, the slot size, the consumers per node, each trainer field, the target by content
+    (``shared.fingerprint.target_fingerprint``: its config, sampled weights and tokenizer, whatever its path) and
+    how it is captured (``CAPTURE_FIELDS``: dtype, random weights, remote code). Nodes that differ in any
+    would train different runs (a drafter trained on two targets' hidden states mixed); ``plan_differences``
+    names the items. Raises ``ConfigError`` naming ``--target`` when the target's files cannot be read."""
+    record = {"batch order": _digest([b.batch_id for b in plan.order]), "data": _digest(plan.data_digest),
+              "target layers": _digest(plan.target_layer_ids), "optimizer steps": _digest(plan.total_steps),
+              "slot size": _digest(plan.slot_bytes), "consumers per node": _digest(len(cfg.trainer.devices))}
     for k, v in dataclasses.asdict(cfg.trainer).items():
         if k != "devices":
-            record[f"trainer.{k}"] = digest(v)
+            record[f"trainer.{k}"] = _digest(v)
+    producer = getattr(cfg, "producer", None)
+    if getattr(producer, "target", None):
+        from specring.shared.fingerprint import target_fingerprint
+        try:
+            record.update(target_fingerprint(producer.target))
+        except OSError as e:
+            raise ConfigError(f"--target: {producer.target} cannot be read to compare it with the other nodes' "
+                              f"({e})") from None
+    for k in CAPTURE_FIELDS:
+        if hasattr(producer, k):
+            record[f"producer.{k}"] = _digest(getattr(producer, k))
     return record
+
+
+def explain_differences(diff: list[str]) -> str:
+    """The items of ``plan_differences``, each target item with what it means (``WHY``)."""
+    return ", ".join(f"{k} ({WHY[k]})" if k in WHY else k for k in diff)
 
 
 def plan_differences(a: dict, b: dict) -> list[str]:
@@ -144,8 +173,9 @@ def rendezvous(cfg, plan, ctx: zmq.Context, run_dir: str):
             for k in range(1, nc.nnodes):
                 other = json.loads(_get(store, f"{base}node{k}", f"node {k}", cfg))
                 diff = plan_differences(record, other["plan"])
-                why = (f"node {k}'s run differs from node 0's in {', '.join(diff)}: every node must give the same flags "
-                       f"(and data), and run the same number of consumers") if diff else ""
+                why = (f"node {k}'s run differs from node 0's in {explain_differences(diff)}: every node must give "
+                       f"the same flags (and data), run the same target and tokenizer by content and the same number "
+                       f"of consumers") if diff else ""
                 store.set(f"{base}verdict{k}", why or "ok")
                 if why:
                     errors.append(why)

@@ -185,7 +185,8 @@ class NodeMsg:
     message, indices global: up, from ``role`` ``index`` of node ``node``; down, to it), ``"producer_died"``
     (global producer ``index`` has exited and been reaped), ``"send_failed"`` (``body`` could not be handed to
     ``role`` ``index``: roll it back), ``"stop"`` (``reason``: the run stops), ``"heartbeat"``, ``"bye"`` (the node
-    has stopped its children).
+    has stopped its children), ``"restart"`` (node 0 to the node that owns global producer ``index``: an
+    operator's ``launch.py restart producer``).
     """
     KIND: ClassVar[str] = "node"
     node: int
