@@ -16,10 +16,11 @@ A backend asked for but not installed is an error at start (``check_backends``),
 backend that fails mid-run is logged and dropped, never stopping training.
 
 No tracker is ever on the supervisor's loop: the backends start, send and close in a worker process of their own
-(``_tracker_worker``, spawned; its own process group, so a terminal's Ctrl-C or hang-up does not reach it, and
-killed with its parent), so a tracker server that answers 503 for minutes or never answers, or a wandb start-up
+(``_tracker_worker``, ``python -m specring.supervisor.reporting --worker``; a session of its own, so a terminal's
+Ctrl-C or hang-up does not reach it; killed with its parent), so a tracker server that answers 503 for minutes or never answers, or a wandb start-up
 waiting 90 s, delays no step, no ``launch.py status`` and no signal. The supervisor reads the records (local
-files) and puts them on a bounded queue (``QUEUE_RECORDS``); a record that finds it full is dropped and counted
+files) and puts them on a bounded queue (``QUEUE_RECORDS``, emptied by a writer thread into the worker's stdin:
+what waits is bounded by the queue and the pipe); a record that finds it full is dropped and counted
 (``Reporter.stats``: ``queued``, ``dropped``, ``sent``, ``failed``, ``not_sent``, in ``summary.json`` under
 ``report_to``). ``close`` waits at most ``CLOSE_WAIT_S`` seconds for the worker to send what is queued and close
 its backends, then kills it (what it had not sent is counted as ``not_sent``, with one log line).
