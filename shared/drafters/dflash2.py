@@ -88,15 +88,16 @@ class DFlash2Family(DFlashFamily):
         return {**super().stats_layout(dcfg, tcfg), "selector_correct": b, "topk_hit": b, "selector_loss_sum": 1}
 
     def chunk_objective(self, ctx: ObjectiveContext, stats: StepStats, bb):
-        """The selector loss of one chunk of blocks (see the module docstring), added by ``block_loss``."""
+        """The selector loss of one chunk of blocks (see the module docstring), added by ``block_loss``, each slot
+        weighted by its cross-entropy's weight in that chunk (``slot_w [a, B-1]``: the decay, or D-PACE's)."""
         model, tc = ctx.model, ctx.tcfg
         b = tc.block_size
         anchors_tok = bb.block_input_ids.view(-1, b)[:, 0]
-        slot_w = self.loss_weights(ctx)[1:]
         alpha = float(tc.selector_loss_alpha)
         top_k = model.config.selector_top_k
 
-        def extra(logits: torch.Tensor, hidden: torch.Tensor, lab: torch.Tensor, i: int, j: int) -> torch.Tensor:
+        def extra(logits: torch.Tensor, hidden: torch.Tensor, lab: torch.Tensor, i: int, j: int,
+                  slot_w: torch.Tensor) -> torch.Tensor:
             prev = torch.cat([anchors_tok[i:j, None], lab[:, :-1]], dim=1).clamp(min=0).reshape(-1)
             gold = lab.reshape(-1)
             valid = gold != IGNORE
@@ -104,7 +105,7 @@ class DFlash2Family(DFlashFamily):
             unary = logits.gather(1, cand)
             scores = model.candidate_selector.scores(hidden, unary, cand, prev)
             ce = F.cross_entropy(scores.float(), target, reduction="none")
-            w = (slot_w[None, :].expand(j - i, -1).reshape(-1) * valid).to(ce.dtype)
+            w = (slot_w.reshape(-1) * valid).to(ce.dtype)   # the slot's own CE weight (decay or D-PACE)
             loss = alpha * (ce * w).sum()
             correct = ((scores.detach().argmax(-1) == target) & in_top).view(j - i, b - 1)
             zero = torch.zeros(1, dtype=torch.float64, device=logits.device)

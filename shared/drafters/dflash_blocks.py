@@ -242,9 +242,10 @@ def block_loss(logits_fn, hidden: torch.Tensor, labels: torch.Tensor, weights: t
     would otherwise need tens of GB); ``weighted_ce`` is then returned detached.
 
     ``loss="dpace"`` replaces the decay ``weights`` by the D-PACE weights of each block (``dpace_weights``, from
-    the chunk's own cross-entropies, detached). ``extra(logits [n, V], hidden [n, H], labels [a, B-1], i, j)``,
+    the chunk's own cross-entropies, detached). ``extra(logits [n, V], hidden [n, H], labels [a, B-1], i, j, w)``,
     when given, is called for each chunk of blocks ``i..j-1`` (``n = (j - i) * (B - 1)`` rows of slots 1..B-1)
-    and returns a scalar loss added to the chunk's before its backward (DFlash2's selector loss).
+    (``w [j - i, B-1]`` the chunk's slot weights as the cross-entropy used them: the decay or D-PACE's, 0 where
+    unlabelled) and returns a scalar loss added to the chunk's before its backward (DFlash2's selector loss).
     Raises ``ValueError`` for another ``loss``.
     """
     if loss not in ("ce", "dpace"):
@@ -278,7 +279,8 @@ def block_loss(logits_fn, hidden: torch.Tensor, labels: torch.Tensor, weights: t
             kl = (logp.exp() * (logp - logq)).sum(-1)
             chunk_loss = chunk_loss + float(distill_weight) * (kl * wc).sum()
         if extra is not None:
-            chunk_loss = chunk_loss + extra(logits, h3[i:j, 1:].reshape((j - i) * (b - 1), -1), lab[i:j], i, j)
+            chunk_loss = chunk_loss + extra(logits, h3[i:j, 1:].reshape((j - i) * (b - 1), -1), lab[i:j], i, j,
+                                            w[i:j])
         pred[i:j] = logits.detach().argmax(-1).view(j - i, b - 1)
         del logits
         if backward:

@@ -122,8 +122,8 @@ def test_the_selector_loss_is_the_k_way_cross_entropy_of_the_scores_by_hand():
     logits = torch.randn(2, 40)
     hidden = torch.randn(2, 32)
     lab = torch.tensor([[int(logits[0].argmax()), int(logits[1].argmin())]])   # slot 2's gold is not in the top 3
-    loss = extra(logits, hidden, lab, 0, 1)
     w = loss_weights(3, tc.resolved_gamma())[1:]
+    loss = extra(logits, hidden, lab, 0, 1, w[None, :])
     sel = model.candidate_selector
     expected = 0.0
     for j, prev in enumerate([7, int(lab[0, 0])]):
@@ -137,3 +137,38 @@ def test_the_selector_loss_is_the_k_way_cross_entropy_of_the_scores_by_hand():
     assert abs(loss.item() - 0.5 * expected) < 1e-5
     host = stats.host()
     assert host["topk_hit"] == [0.0, 1.0, 0.0] and host["selector_loss_sum"] == [pytest.approx(loss.item())]
+
+
+
+def test_with_dpace_the_selector_is_weighted_like_the_slot_cross_entropy():
+    """DFlash2 + D-PACE: the selector loss uses each slot's D-PACE weight, not the decay (a mixed normaliser
+    over-weighted it), so an untrained DFlash2 reports DFlash's loss under D-PACE too."""
+    from specring.shared.config import TrainerConfig
+    from specring.shared.drafters.contract import ObjectiveContext
+
+    torch.manual_seed(0)
+    b = 4
+    d1 = _tiny(DFlashConfig)
+    d2 = _tiny(DFlash2Config, conv_group_size=8, selector_rank=4, selector_top_k=4)
+    m1, m2 = get_family("dflash").build(d1), get_family("dflash2").build(d2)
+    head = torch.randn(40, 32)
+    for m in (m1, m2):
+        m.load_frozen(torch.randn(40, 32, generator=torch.Generator().manual_seed(1)), head)
+    m2.load_trainable(m1.trainable_state_dict() | {k: v for k, v in m2.trainable_state_dict().items()
+                                                   if k not in m1.trainable_state_dict()}, "test")
+    ids = torch.randint(0, 40, (24,))
+    batch = {"hidden": torch.randn(24, 32), "input_ids": ids.int(), "loss_mask": torch.ones(24, dtype=torch.uint8),
+             "cu_seqlens": torch.tensor([0, 12, 24], dtype=torch.int32)}
+    out = {}
+    for name, m, dc in (("dflash", m1, d1), ("dflash2", m2, d2)):
+        tc = TrainerConfig(block_size=b, num_anchors=4, loss="dpace", dpace_alpha=0.0, label_source="data",
+                           selector_loss_alpha=1.0)
+        fam = get_family(name)
+        ctx = ObjectiveContext(model=m, tcfg=tc, dcfg=dc, device=torch.device("cpu"), attention="structured",
+                               max_mask_elems=2 ** 20, loss_chunk_rows=64)
+        out[name] = fam.step_metrics(fam.objective(ctx, batch, [3], 24, False).host())
+    assert out["dflash2"]["loss"] == pytest.approx(out["dflash"]["loss"], rel=1e-5)
+    # an untrained selector scores its K candidates by their unary logits, and a K-way cross-entropy over a subset
+    # holding the gold token is at most the full one: with the same slot weights the selector loss is at most the
+    # block loss (weighted by the decay over D-PACE's normaliser it was orders of magnitude larger at alpha 0)
+    assert 0 < out["dflash2"]["selector_loss"] <= out["dflash"]["loss"] + 1e-6, out
