@@ -104,10 +104,32 @@ class DFlashFamily(DrafterFamily):
                 key = f"trainer.{name}"
                 detail = f"a DFlash2 option; this run trains drafter {self.name} (pass --drafter dflash2)"
                 raise ConfigError(f"{run.origin(key)}: {detail}", key=key, detail=detail)
+        self.check_config(run)
+
+    def check_config(self, run) -> None:
+        """Build the run's drafter config once at plan time, so that its own checks (a group size that does not
+        divide the hidden size, a window under the block size, ...) are refused before any process starts,
+        naming the flag: the config field that a message starts with is the ``trainer`` field of that name."""
+        from specring.shared.errors import ConfigError
+        kwargs = self.config_kwargs(run)
+        if kwargs.get("mask_token_id") is None:
+            kwargs["mask_token_id"] = 0  # the tokenizer's mask token is resolved by the consumer; no load here
+        try:
+            self.config_cls.from_target(run.producer.target, run.producer.target_layer_ids, **kwargs)
+        except ConfigError:
+            raise
+        except ValueError as e:
+            field = str(e).split(":", 1)[0].strip()
+            key = f"trainer.{field}" if hasattr(run.trainer, field) else None
+            if key is None:
+                raise ConfigError(f"drafter config: {e}") from None
+            detail = str(e).split(":", 1)[1].strip()
+            raise ConfigError(f"{run.origin(key)}: {detail}", key=key, detail=detail) from None
 
     def plan_line(self, run, plan) -> str:
         t = run.trainer
         loss = "" if t.loss == "ce" else f", loss {t.loss} (alpha {t.dpace_alpha})"
+        loss += "" if t.sliding_window is None else f", sliding window {t.sliding_window}"
         return (f"(drafter {self.name}, block size {t.block_size}, anchors {t.num_anchors}{loss}{self.plan_extra(run)}, "
                 f"grad_accum {t.grad_accum})")
 

@@ -17,7 +17,8 @@ here is DFlash's block loss (``shared/drafters/dflash.py``) plus the selector's:
 
 Decoding (``DFlash2Proposer``): the block's unary logits and final hidden states (``DFlashDrafter.draft_block``),
 then the selector's left-to-right walk from the anchor, greedy at temperature 0, sampled from ``softmax(scores /
-T)`` over the K candidates otherwise (as the reference; ``top_p``/``top_k`` shape only the target's side), whose
+T)`` over the K candidates otherwise, filtered by the same top-k/top-p as the target's side (the reference applies
+the temperature alone), whose
 ``q`` (zero outside the candidates) drives lossless rejection sampling.
 """
 
@@ -75,7 +76,8 @@ class DFlash2Family(DFlashFamily):
                 "selector_rank": t.selector_rank}
 
     def check_run(self, run) -> None:
-        """Every DFlash option applies; so do DFlash2's own (checked by ``DFlash2Config``)."""
+        """Every DFlash option applies, and DFlash2's own; the config's checks run at plan time."""
+        self.check_config(run)
 
     def plan_extra(self, run) -> str:
         t = run.trainer
@@ -172,8 +174,8 @@ class DFlash2Proposer:
             raise ValueError("DFlash2Proposer.add_context: the drafter needs target features (got None)")
         self._pending.append((features, positions))
 
-    def _walk(self, tokens: list[int], k: int, temperature: float, generator) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                      torch.Tensor | None]:
+    def _walk(self, tokens: list[int], k: int, temperature: float, generator, probs=None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         dev = self.drafter.fc.weight.device
         if self._pending:
             feats = torch.cat([f for f, _ in self._pending]).to(dev)
@@ -183,7 +185,8 @@ class DFlash2Proposer:
             pos = torch.empty(0, dtype=torch.long, device=dev)
         path, cand, q, self.cache = self.drafter.propose_block(feats, pos, int(tokens[-1]), len(tokens) - 1,
                                                                self.cache, block_size=k + 1,
-                                                               temperature=temperature, generator=generator)
+                                                               temperature=temperature, generator=generator,
+                                                               probs=probs)
         self._pending = []
         return path, cand, q
 
@@ -198,8 +201,10 @@ class DFlash2Proposer:
 
     @torch.no_grad()
     def propose_sample(self, tokens: list[int], k: int, params, generator) -> tuple[list[int], torch.Tensor]:
-        """Drafts sampled by the selector's walk at ``params.temperature`` and ``q [k, V]`` float32 on the CPU: each
-        slot's ``softmax(scores / T)`` over its K candidates (given the drafts before it), 0 elsewhere."""
+        """Drafts sampled by the selector's walk and ``q [k, V]`` float32 on the CPU: each slot's ``params.probs``
+        of its K candidates' scores (temperature, then top-k, then top-p, as the target's side; given the drafts
+        before it), 0 elsewhere. The reference applies the temperature alone; filtering the same way as the target
+        keeps the draws where the target can accept them (lossless either way)."""
         k = min(int(k), self.block_size - 1)
         vocab = self.drafter.config.vocab_size
         if k <= 0:
@@ -207,7 +212,9 @@ class DFlash2Proposer:
         if params.greedy:
             drafts = self.propose(tokens, k)
             return drafts, F.one_hot(torch.tensor(drafts, dtype=torch.long), vocab).float()
-        path, cand, q = self._walk(tokens, k, params.temperature, generator)
+        # the same temperature, top-k and top-p as the target's side, over the K candidates' scores
+        path, cand, q = self._walk(tokens, k, params.temperature, generator,
+                                   probs=lambda sc: params.probs(sc[None])[0])
         full = torch.zeros(len(path), vocab, dtype=torch.float32)
         full.scatter_add_(1, cand.cpu().long(), q.float().cpu())
         return [int(t) for t in path.tolist()], full

@@ -72,8 +72,13 @@ class Eagle3Family(DrafterFamily):
         """Refuse the block-drafter options EAGLE-3 has no use for (``ConfigError`` naming the flag)."""
         from specring.shared.errors import ConfigError
         t = run.trainer
-        for key, bad in (("trainer.loss", t.loss != "ce"), ("trainer.sliding_window", t.sliding_window is not None)):
-            if bad:
+        import dataclasses
+        defaults = {f.name: f.default for f in dataclasses.fields(t)}
+        block_only = ("loss", "sliding_window", "dpace_alpha", "conv_kernel_size", "conv_group_size", "selector_top_k",
+                      "selector_rank", "selector_loss_alpha")
+        for name in block_only:
+            if getattr(t, name) != defaults[name]:
+                key = f"trainer.{name}"
                 detail = "applies to the DFlash families (block drafters), not to drafter eagle3"
                 raise ConfigError(f"{run.origin(key)}: {detail}", key=key, detail=detail)
 

@@ -21,6 +21,8 @@ def check_output_dir(output_dir: str | Path, overwrite: bool) -> Path:
     """``output_dir`` as a ``Path``; raises ``FileExistsError`` naming ``--output`` when it exists, is not empty and
     ``overwrite`` is false."""
     out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--output: {out} exists and is not a directory")
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"--output: {out} exists and is not empty (pass --overwrite)")
     return out

@@ -440,6 +440,12 @@ class DFlashDrafter(nn.Module):
         if set(trainable) != expected:
             raise ValueError(f"{source}: weights do not match the drafter config: missing "
                              f"{sorted(expected - set(trainable))}, unexpected {sorted(set(trainable) - expected)}")
+        shapes = dict(self.named_parameters())
+        bad = sorted(f"{k} {tuple(v.shape)} (config wants {tuple(shapes[k].shape)})" for k, v in trainable.items()
+                     if tuple(v.shape) != tuple(shapes[k].shape))
+        if bad:
+            raise ValueError(f"{source}: weights do not match the drafter config's shapes: {'; '.join(bad[:4])}"
+                             + (f" and {len(bad) - 4} more" if len(bad) > 4 else ""))
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name in trainable:

@@ -268,7 +268,8 @@ class CandidateSelector(nn.Module):
 
     @torch.no_grad()
     def select(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int, temperature: float = 0.0,
-               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+               generator: torch.Generator | None = None, probs=None,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The walk over ``L`` slots (see the class): ``hidden [L, H]`` (final-normed), ``logits [L, V]`` (the
         unary logits), ``anchor`` the token before slot 0.
 
@@ -276,7 +277,8 @@ class CandidateSelector(nn.Module):
         row (sorted by logit, descending), ``path[i]`` the chosen token, ``q[i]`` the distribution it was drawn
         from given ``path[i - 1]`` (``temperature > 0``; None when greedy). ``generator``: used for the draws
         (a CPU generator with device tensors: drawn on the CPU). Raises ``ValueError`` naming ``temperature``
-        unless it is a finite number ``>= 0``.
+        unless it is a finite number ``>= 0``. ``probs`` (sampling only): ``scores [K] -> q [K]``, default
+        ``softmax(scores / temperature)`` as the reference; a caller's top-k/top-p filter plugs in here.
         """
         t = temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
@@ -299,7 +301,7 @@ class CandidateSelector(nn.Module):
         for i in range(n):
             sc = table[i, prev]
             if t > 0:
-                qi = torch.softmax(sc / float(t), dim=-1)
+                qi = probs(sc) if probs is not None else torch.softmax(sc / float(t), dim=-1)
                 prev = int(torch.multinomial(qi, 1, generator=generator if generator is None
                                              or generator.device.type == "cpu" else None))
                 qs.append(qi)
@@ -343,7 +345,7 @@ class DFlash2Drafter(DFlashDrafter):
     @torch.no_grad()
     def propose_block(self, ctx_hidden: torch.Tensor, ctx_positions: torch.Tensor, anchor_token: int,
                       anchor_pos: int, cache: DraftCache | None = None, block_size: int | None = None,
-                      temperature: float = 0.0, generator: torch.Generator | None = None,
+                      temperature: float = 0.0, generator: torch.Generator | None = None, probs=None,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, DraftCache]:
         """Draft one block and choose its tokens with the selector: ``draft_block_hidden`` (same arguments and
         cache rules as ``draft_block``), then ``candidate_selector.select`` over rows ``1..B-1`` with their
@@ -354,7 +356,8 @@ class DFlash2Drafter(DFlashDrafter):
         (zero outside ``cand``), for rejection sampling."""
         hidden, logits, cache = self.draft_block_hidden(ctx_hidden, ctx_positions, anchor_token, anchor_pos, cache,
                                                         block_size)
-        path, cand, q = self.candidate_selector.select(hidden[1:], logits[1:], anchor_token, temperature, generator)
+        path, cand, q = self.candidate_selector.select(hidden[1:], logits[1:], anchor_token, temperature, generator,
+                                                       probs)
         return path, cand, q, cache
 
 

@@ -210,3 +210,15 @@ def test_dflash2_options_are_refused_on_a_dflash_run(data, tmp_path):
     ok = parse("--drafter", "dflash2", "--data", str(data), "--run-dir", str(tmp_path / "r2"), "--eval-prompts", "0",
                "--trainer.selector-top-k", "8")
     assert resolve_run(ok).target_layer_ids
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--trainer.conv-group-size", "24"], r"^--trainer.conv-group-size: 24 does not divide hidden_size 256"),
+    (["--trainer.sliding-window", "8"], r"^--trainer.sliding-window: 8 < block_size 16"),
+])
+def test_a_dflash2_config_the_drafter_refuses_is_refused_in_the_plan(argv, match, data, tmp_path):
+    """Before any process starts: the consumer would die on it, and --resume could not change it."""
+    cfg = parse("--drafter", "dflash2", "--data", str(data), "--run-dir", str(tmp_path / "r"), "--eval-prompts", "0",
+                *argv)
+    with pytest.raises(ConfigError, match=match):
+        resolve_run(cfg)

@@ -348,10 +348,32 @@ def test_the_bound_catches_a_broken_rejection_step(target, dflash_counts, monkey
     assert stat > chi_square_bound(df), (stat, df, chi_square_bound(df))
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "prompt-lookup"])
+def dflash2_drafter(target, seed=3):
+    """A random DFlash2 drafter whose selector offers 8 of the 24 ids per slot (q is 0 on the other 16) and, with a
+    non-zero hidden projection, makes each slot's q depend on the draft before it."""
+    from specring.shared.models.dflash2 import DFlash2Config, DFlash2Drafter
+    cfg = DFlash2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=V,
+                        max_position_embeddings=64, target_layer_ids=LAYERS, num_target_layers=3, block_size=B,
+                        mask_token_id=V - 1, conv_group_size=8, selector_top_k=8, selector_rank=4)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = DFlash2Drafter(cfg).eval()
+        with torch.no_grad():
+            model.candidate_selector.hidden_projection.weight.normal_(0, 0.5)
+    model.load_frozen(target.model.embed_tokens.weight, target.lm_head.weight * 0.2)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "prompt-lookup", "dflash2"])
 def test_eagle3_and_prompt_lookup_sampling_emit_the_target_distribution(target, kind):
-    """EAGLE-3 (q over a draft vocabulary of 16 of the 24 ids, top-p 0.9) and prompt lookup (one-hot q, top-k 6)."""
-    if kind == "eagle3":
+    """EAGLE-3 (q over a draft vocabulary of 16 of the 24 ids, top-p 0.9), prompt lookup (one-hot q, top-k 6) and
+    DFlash2 (q over its selector's 8 candidates, each slot given the draft before it, top-p 0.9)."""
+    if kind == "dflash2":
+        from specring.shared.drafters.dflash2 import DFlash2Proposer
+        params, prompt = SamplingParams(1.0, top_p=0.9), PROMPT
+        make = lambda: DFlash2Proposer(dflash2_drafter(target))          # noqa: E731
+    elif kind == "eagle3":
         params, prompt = SamplingParams(1.0, top_p=0.9), PROMPT
         make = lambda: Eagle3Proposer(eagle3_drafter(target), B - 1)   # noqa: E731
     else:
