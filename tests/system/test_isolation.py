@@ -89,7 +89,10 @@ def test_runs_in_other_pid_namespaces_sharing_dev_shm_leave_each_other_alone(dat
         args_b = small_flags(dataset, run_b, 40)
         proc_b = subprocess.Popen([*PID_NAMESPACE, sys.executable,
                                    str(REPO / "launch.py"), "train", *args_b], cwd=REPO,
-                                  env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=open(tmp_path / "b.log", "wb"),
+                                  # B's forwards slowed a little too: it must still run while clean and status
+                                  # here are started (each a new interpreter; under load B finished first)
+                                  env=dict(os.environ, PYTHONUNBUFFERED="1", SPECRING_SLOW_FORWARD_S="0.5"),
+                                  stdout=open(tmp_path / "b.log", "wb"),
                                   stderr=subprocess.STDOUT, start_new_session=True)
         wait_for(lambda: _running(run_b, "producer", 0) and _running(run_b, "producer", 1), 120,
                  "run B's producers (in their own PID namespace)")
