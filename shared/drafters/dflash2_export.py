@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +42,7 @@ from specring.shared.drafters.serving_format import (
     WEIGHTS_FILE,
     check_output_dir,
     resolve_export_dtype,
+    write_export_dir,
 )
 from specring.shared.models.dflash2 import DFlash2Config, DFlash2Drafter
 
@@ -142,27 +141,14 @@ def export_dflash2(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     check_dflash2_tensors(set(weights), drafter.config.num_hidden_layers, f"checkpoint {step_dir}")
     cfg = exported_config(drafter.config, target_raw, dtype,
                           dflash_export._mask_token_string(target, drafter.config.mask_token_id, trust_remote_code))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        ckpt.save_tensors(weights, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
-        (tmp / PROVENANCE_FILE).write_text(json.dumps({
+    write_export_dir(out, weights, {
+        CONFIG_FILE: json.dumps(cfg, indent=2) + "\n",
+        PROVENANCE_FILE: json.dumps({
             "exported_by": "specring", "drafter": "dflash2", "checkpoint": str(step_dir.resolve()),
             "step_dir": step_dir.name, "target": str(Path(target).resolve()), "dtype": dtype,
             **dflash_export._measured(step_dir, drafter, dtype),
             "note": "embed_tokens/lm_head are not included: the draft uses the target's (checked equal at export)",
-        }, indent=2) + "\n")
-        for f in tmp.iterdir():
-            ckpt.usual_mode(f)
-        ckpt.usual_mode(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        }, indent=2) + "\n"})
     logger.info("export written path=%s checkpoint=%s target=%s dtype=%s tensors=%d format=%s", out, step_dir,
                 target, dtype, len(weights), ARCHITECTURE)
     return out

@@ -42,8 +42,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +56,7 @@ from specring.shared.drafters.serving_format import (
     WEIGHTS_FILE,
     check_output_dir,
     resolve_export_dtype,
+    write_export_dir,
 )
 from specring.shared.models.building_blocks import read_target_head, rope_theta_from_config
 from specring.shared.models.dflash import (
@@ -249,28 +248,15 @@ def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     assert set(weights) == expected, f"weight names drifted from the reference: {set(weights) ^ expected}"
     cfg = exported_config(drafter.config, target_raw, dtype, _mask_token_string(target, drafter.config.mask_token_id,
                                                                                trust_remote_code))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     measured = _measured(step_dir, drafter, dtype)
-    try:
-        ckpt.save_tensors(weights, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
-        (tmp / MODELING_FILE).write_text(modeling_source())
-        (tmp / PROVENANCE_FILE).write_text(json.dumps({
+    write_export_dir(out, weights, {
+        CONFIG_FILE: json.dumps(cfg, indent=2) + "\n",
+        MODELING_FILE: modeling_source(),
+        PROVENANCE_FILE: json.dumps({
             "exported_by": "specring", "checkpoint": str(step_dir.resolve()), "step_dir": step_dir.name,
             "target": str(target.resolve()), "dtype": dtype, **measured,
             "note": "embed_tokens/lm_head are not included: the draft uses the target's (checked equal at export)",
-        }, indent=2) + "\n")
-        for f in tmp.iterdir():
-            ckpt.usual_mode(f)
-        ckpt.usual_mode(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        }, indent=2) + "\n"})
     logger.info("export written path=%s checkpoint=%s target=%s dtype=%s tensors=%d", out, step_dir, target,
                 dtype, len(weights))
     return out

@@ -8,6 +8,8 @@ weights under the engines' names) and ``specring_export.json`` (provenance); the
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 from specring.shared.devices import MODEL_DTYPES
@@ -45,3 +47,28 @@ def resolve_export_dtype(dtype: str, step_dir: Path, target_dir: str | Path | No
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"--dtype: {dtype!r} is not one of auto, {', '.join(MODEL_DTYPES)}")
     return dtype
+
+
+def write_export_dir(out: Path, tensors: dict, texts: dict[str, str]) -> Path:
+    """Write an export directory atomically: ``tensors`` into ``WEIGHTS_FILE`` (metadata ``format: pt``) and each
+    ``name -> text`` of ``texts``, under a temporary name beside ``out``, every file and the directory given the
+    usual modes, then renamed into place (an existing ``out`` replaced). Returns ``out``."""
+    from specring.shared import checkpoint as ckpt
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        ckpt.save_tensors(tensors, tmp / WEIGHTS_FILE, metadata={"format": "pt"})
+        for name, text in texts.items():
+            (tmp / name).write_text(text)
+        for f in tmp.iterdir():
+            ckpt.usual_mode(f)
+        ckpt.usual_mode(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
