@@ -18,6 +18,9 @@ its DEALER socket:
 * ``Shutdown``: finish the batch in flight, then exit 0. SIGTERM/SIGINT do the same.
 * Undecodable frames and unexpected message kinds are logged and skipped.
 
+On CUDA the target first runs the batch plan's extreme shapes once (``Producer.warm_up``: kernel autotuning
+and its memory at start-up, a clear start-up error if it does not fit), then says ``Hello``.
+
 A ``Heartbeat`` goes out every ``monitor.heartbeat_interval_s`` from a thread of its own, also during a
 forward that takes longer than ``hang_timeout_s`` (``shared.procs.ChildContext``), with ``stats``:
 ``tokens_per_s`` (real tokens published over the last ~10 s), ``batches``, ``bad_batches``, ``tokens``,
@@ -180,6 +183,10 @@ def body(ctx: ChildContext) -> None:
                                         label_source=cfg.trainer.label_source,
                                         topk=cfg.trainer.resolved_distill_topk())
         pad_id = pick_pad_id(ds, producer.hf_config)
+        if device.type == "cuda":  # kernels tune themselves now, not mid-run (Producer.warm_up)
+            t0 = time.monotonic()
+            shapes = producer.warm_up(cfg.data.max_tokens, cfg.data.max_batch_size, pad_id)
+            log.info("warm_up shapes=%s s=%.1f", shapes, time.monotonic() - t0)
         helpers = faults.start_helpers()  # tests only: processes the target code started and never stops
         forward_faults = faults.ForwardFaults(ctx.index, ctx.generation)
         log.info("serving ring=%s slots=%d slot_bytes=%d pinned=%s data=%s samples=%d pad_id=%d",

@@ -242,6 +242,35 @@ class Producer:
             self.capture.token_index = None
             return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
+    def warm_up(self, max_tokens: int, max_batch_size: int, pad_id: int = 0) -> list[tuple[int, int]]:
+        """Run the representative batch shapes through ``forward`` once before any lease; returns them.
+
+        The shapes are the batch plan's extremes: one sequence of ``max_tokens`` tokens (the longest batch) and,
+        when each sequence keeps at least 16 tokens, ``max_batch_size`` sequences of ``max_tokens //
+        max_batch_size`` (the widest). Kernels that tune themselves at their first call of a shape (Triton's
+        autotuning of flash-linear-attention's Gated DeltaNet kernels, cuBLAS heuristics) do it here, at start-up,
+        where running out of memory is a clear start-up error and not a lost batch mid-run. Nothing is written
+        to the ring. Raises ``ConfigError`` naming the shape and ``data.max_tokens`` when a shape does not fit
+        in device memory.
+        """
+        shapes = [(1, int(max_tokens))]
+        if max_batch_size > 1 and max_tokens // max_batch_size >= 16:
+            shapes.append((int(max_batch_size), int(max_tokens) // int(max_batch_size)))
+        for b, s in shapes:
+            ids = torch.full((b, s), int(pad_id), dtype=torch.int64)
+            lengths = torch.full((b,), s, dtype=torch.int64)
+            try:
+                self.forward(ids, torch.ones_like(ids), lengths)
+            except torch.cuda.OutOfMemoryError as e:
+                raise ConfigError(f"data.max_tokens: the warm-up forward of {b} x {s} tokens ran out of device "
+                                  f"memory on {self.device} ({str(e).splitlines()[0]}); lower --max-tokens") from e
+            finally:
+                self.normed = None
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+        return shapes
+
     # ------------------------------------------------------------------------------------------ slots
     def run_batch(self, batch: dict, slot: int, seq: int):
         """Forward ``batch`` and write it into ``slot``; returns ``messages.SlotReady`` or ``messages.BadBatch``.

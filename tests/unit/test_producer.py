@@ -288,3 +288,29 @@ def test_data_label_slots_carry_no_target_fields(model, slot_ring):
     p = Producer(model, [1], slot_ring, generation=1, device="cpu")
     msg = p.run_batch(make_batch(sequences([5]), pad_to=8, batch_id=1), slot=0, seq=0)
     assert "target_ids" not in read_slot(slot_ring, msg)
+
+
+def test_warm_up_runs_the_extreme_shapes_and_writes_nothing(model, slot_ring):
+    """Producer.warm_up: the longest and the widest batch through the target, no slot touched, no figure moved."""
+    p = Producer(model, [2, 3], slot_ring, generation=1, device="cpu")
+    seen = []
+    hook = p.base.register_forward_pre_hook(lambda mod, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)),
+                                            with_kwargs=True)
+    try:
+        shapes = p.warm_up(max_tokens=256, max_batch_size=4, pad_id=PAD)
+        assert shapes == [(1, 256), (4, 64)] and seen == shapes
+        assert p.warm_up(max_tokens=40, max_batch_size=4) == [(1, 40)]  # 10 tokens a row: not worth a shape
+    finally:
+        hook.remove()
+    assert all(slot_ring.header(i).state == EMPTY for i in range(slot_ring.num_slots))
+    assert p.stats.batches == 0 and p.stats.tokens == 0
+
+
+def test_warm_up_out_of_memory_is_a_start_up_error_naming_the_flag(model, slot_ring, monkeypatch):
+    p = Producer(model, [2], slot_ring, generation=1, device="cpu")
+
+    def oom(*a, **k):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    monkeypatch.setattr(p, "forward", oom)
+    with pytest.raises(ConfigError, match=r"data.max_tokens.*1 x 8192 tokens.*--max-tokens"):
+        p.warm_up(max_tokens=8192, max_batch_size=1)
