@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
-# Every GPU figure of one device session, in one command (device time is scarce): transport, producer,
-# trainer, and end-to-end launcher runs (fixture; Qwen3-8B-shaped random target) with a producer killed.
-# Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_session.sh [steps...]
+# Every GPU figure of docs/performance.md, in one command (device time is scarce): transport, producer (Qwen3-8B
+# shape; a Qwen3.5-shaped hybrid target with flash-linear-attention against the torch fallback), trainer (Qwen3-8B
+# shape, with Liger Kernel's fused linear + cross-entropy against the chunked loss), the fused loss's GPU test, and
+# end-to-end launcher runs (fixture; Qwen3-8B-shaped random target) with a producer killed.
+# Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_session.sh [steps...] (default: every step)
+#   steps: transport producer producer_hybrid linear_ce trainer trainer_fused fixture qwen
+#   Wheels in .whl/ (pyzmq, flash-linear-attention, fla-core, liger-kernel: the machine has no index) are
+#   installed into /tmp/site first.
 set -u
 OUT=${OUT:-/tmp/specring-gpu}
 mkdir -p "$OUT"
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 LOG="$OUT/gpu_session.log"
 NG=$(python3 -c 'import torch; print(torch.cuda.device_count())')
@@ -22,7 +31,14 @@ STEPS="$*"
 has() { [ -z "$STEPS" ] || [[ " $STEPS " == *" $1 "* ]]; }
 has transport && step transport 100 python3 benchmarks/transport.py --quick
 has producer && step producer 150 python3 benchmarks/producer.py --device cuda:0 --shape qwen3-8b --batches 8 --seq-len 2048 --batch-size 4 --repeats 3 --warmup 1
+has producer_hybrid && step producer_hybrid ${HYBRID_S:-200} python3 benchmarks/producer.py --device cuda:0 \
+  --shape qwen3.5-27b --num-layers 16 --batches 4 --seq-len 2048 --batch-size 2 --repeats 2 --warmup 1 \
+  --compare-linear-attention
+has linear_ce && step linear_ce 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_linear_ce.py
 has trainer && step trainer 60 python3 benchmarks/trainer.py --device cuda:0 --shape qwen3-8b --seq-len 2048 --num-anchors 512 --steps 4 --warmup 2
+has trainer_fused && step trainer_fused ${FUSED_S:-240} python3 benchmarks/trainer.py --device cuda:0 --shape qwen3-8b \
+  --seq-len 2048 --num-anchors ${ANCHORS:-512} --steps 5 --warmup 2 --check --profile ${PROFILE:-0} \
+  --attention ${FORMS:-flex+compile+fused flex+compile flex+fused flex}
 has fixture && step e2e_fixture 230 python3 benchmarks/e2e.py --run-dir runs/gpu-fixture --kill-at-s 25 --timeout-s 220
 if has qwen; then
   python3 benchmarks/random_target.py --output /tmp/qwen3-8b-random > /dev/null

@@ -1,6 +1,7 @@
 """Drafter training throughput: draft positions per second and model FLOPs utilisation of ``Trainer.step``.
 
-Each attention form of the trainer (``--attention``, default ``flex dense``) trains on the same packed
+Each form of the trainer (``--attention``, default ``flex dense``; ``+compile`` and ``+fused`` options, see the
+flag's help) trains on the same packed
 batches in the same run; the first form listed is the one reported, the others are the baselines measured
 beside it (``dense`` is the form CUDA used before flex attention: groups of sequences, a dense ``[Q, C+Q]``
 mask into SDPA). Printed per form: ``positions_per_s`` (draft positions ``A * B`` trained per second),
@@ -96,11 +97,18 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_trainer(attention: str, dcfg, target, device, run_dir, args, compile_layers: bool) -> Trainer:
+def build_trainer(form: str, dcfg, target, device, run_dir, args) -> Trainer:
+    """The trainer of ``form``: an attention form, then ``+compile`` (decoder layers under torch.compile) and/or
+    ``+fused`` (``--trainer.fused-ce liger``; without it the chunked float32 loss, ``off``)."""
+    attention, *extras = form.split("+")
+    unknown = set(extras) - {"compile", "fused"}
+    if unknown:
+        raise SystemExit(f"--attention {form}: unknown option(s) {sorted(unknown)} (compile, fused)")
     cfg = TrainerConfig(devices=[str(device)], block_size=args.block_size, num_anchors=args.num_anchors,
-                        max_steps=args.steps + args.warmup + 5, warmup_steps=1)
+                        max_steps=args.steps + args.warmup + 5, warmup_steps=1,
+                        fused_ce="liger" if "fused" in extras else "off")
     return Trainer(cfg, dcfg, target, device, run_dir, write_metrics=False, attention=attention,
-                   compile_layers=compile_layers)
+                   compile_layers="compile" in extras)
 
 
 def check_forms(trainers: dict[str, Trainer], batch: dict) -> None:
@@ -145,8 +153,9 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--attention", nargs="+", default=["flex", "dense"],
-                    help="forms to measure, the first reported, the others as baselines (flex, dense, structured, "
-                         "flex+compile: flex with the decoder layers under torch.compile)")
+                    help="forms to measure, the first reported, the others as baselines (flex, dense, structured; "
+                         "+compile: the decoder layers under torch.compile; +fused: Liger Kernel's fused linear + "
+                         "cross-entropy over the head, e.g. flex+compile+fused)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
     ap.add_argument("--check", action="store_true", help="compare loss and gradients of the forms first")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -171,8 +180,7 @@ def main(argv=None) -> int:
           f"positions_per_step={positions} step_tflop={flops / 1e12:.3f}")
     forms = {}
     for form in args.attention:
-        attention, _, extra = form.partition("+")
-        forms[form] = build_trainer(attention, dcfg, target, device, tmp.name, args, compile_layers=extra == "compile")
+        forms[form] = build_trainer(form, dcfg, target, device, tmp.name, args)
     if args.check:
         check_forms(forms, batches[0])
     rate = {}

@@ -45,6 +45,7 @@ from specring.shared import checkpoint as ckpt
 from specring.shared.config import RunConfig, TrainerConfig
 from specring.shared.drafters import family_of, get_family
 from specring.shared.drafters.contract import ObjectiveContext, StepStats
+from specring.shared.drafters.linear_ce import resolve_linear_ce
 from specring.shared.errors import BadBatch
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ class Trainer:
         self.objective_ctx = ObjectiveContext(
             model=self.model, tcfg=cfg, dcfg=dcfg, device=self.device, attention=self.attention,
             max_mask_elems=self.max_mask_elems, loss_chunk_rows=self.loss_chunk_rows, autocast=self.autocast,
-            seed=cfg.seed)
+            seed=cfg.seed, linear_ce=resolve_linear_ce(cfg.fused_ce, self.device))
 
         self.step_count = 0              # optimizer steps taken (skipped windows included)
         self.micro_step = 0              # micro-batches seen

@@ -39,6 +39,7 @@ LABEL_SOURCES = ("target", "data")
 REPORT_BACKENDS = ("tensorboard", "wandb", "mlflow")   # --report-to (supervisor/reporting.py writes them)
 DRAFTERS = DRAFTER_NAMES            # the --drafter choices: every registered family (shared/drafters/__init__.py)
 LOSSES = ("ce", "dpace")
+FUSED_CE = ("auto", "liger", "torch", "off")  # shared.drafters.dflash_blocks.resolve_linear_ce
 DEFAULT_EAGLE3_TOPK = 32             # top-K of the target's distribution an EAGLE-3 run learns by default
 
 
@@ -399,6 +400,11 @@ class TrainerConfig:
                                         "EAGLE-3 learns that distribution restricted to the draft vocabulary; "
                                         "0: off (EAGLE-3 then learns the target's greedy tokens)")
     distill_weight: float = num(1.0, ge=0, le=1e6, help="weight of that KL divergence in the loss")
+    fused_ce: str = setting("auto", choices=FUSED_CE,
+                            help="DFlash families' cross-entropy over the LM head: liger (Liger Kernel's fused linear "
+                                 "+ cross-entropy, CUDA), off (chunked float32 logits), torch (the fused path's "
+                                 "reference, tests); auto: liger on CUDA when installed and the loss allows (ce, no "
+                                 "distillation, no selector), else off")
     compile: bool | None = setting(None, help="torch.compile the draft layers; none: on CUDA")
     attention: str = setting("auto", choices=("auto", "flex", "dense", "structured"),
                              help="attention form of the drafter's training step; auto: flex on CUDA, "
@@ -442,6 +448,8 @@ class TrainerConfig:
                  "label_source=target")
         _require(not self.distill_topk or self.label_source == "target", "distill_topk",
                  "needs label_source=target (the producer computes the target's distribution only then)")
+        _require(self.fused_ce != "liger" or all(str(d).startswith("cuda") for d in self.devices), "fused_ce",
+                 f"liger runs on CUDA only; the consumer devices are {self.devices} (use auto or off)")
 
     def resolved_distill_topk(self) -> int:
         """``distill_topk``, its none resolved: 0 (off) for DFlash, ``DEFAULT_EAGLE3_TOPK`` for EAGLE-3 (the

@@ -102,7 +102,9 @@ class ObjectiveContext:
     ``attention``: the resolved attention form (``flex``, ``dense``, ``structured``; the trainer may fall back at
     warm-up); ``max_mask_elems``: score budget per forward of the grouped forms; ``loss_chunk_rows``: rows of
     ``[rows, V]`` float32 logits alive at once; ``autocast``: the context the forward runs under (bfloat16 on
-    CUDA); ``seed``: the run seed (anchors are drawn from ``(seed, batch_ids)``).
+    CUDA); ``seed``: the run seed (anchors are drawn from ``(seed, batch_ids)``); ``linear_ce``: the fused linear +
+    cross-entropy of ``trainer.fused_ce`` (``shared.drafters.dflash_blocks.resolve_linear_ce``), None for the
+    chunked float32 loss.
     """
     model: nn.Module
     tcfg: "TrainerConfig"
@@ -113,6 +115,7 @@ class ObjectiveContext:
     loss_chunk_rows: int
     autocast: Any = field(default_factory=contextlib.nullcontext)
     seed: int = 0
+    linear_ce: Any = None        # a fused linear + cross-entropy (dflash_blocks.resolve_linear_ce) or None
     extras: dict[str, Any] = field(default_factory=dict)   # per-family cached tensors (loss weights, ...)
 
 

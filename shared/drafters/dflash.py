@@ -210,9 +210,12 @@ class DFlashFamily(DrafterFamily):
                 # the loss back-propagates chunk by chunk into a detached copy of h (see block_loss), then
                 # h.backward() carries that gradient through the drafter once
                 h_leaf = h.detach().requires_grad_(True) if backward else h
+                extra_fn = self.chunk_objective(ctx, stats, bb)
+                fused = ctx.linear_ce is not None and tc.loss == "ce" and not distill and extra_fn is None
                 out = block_loss(model.logits, h_leaf, bb.labels, weights, chunk_rows=ctx.loss_chunk_rows,
-                                 backward=backward, loss=tc.loss, dpace_alpha=tc.dpace_alpha,
-                                 extra=self.chunk_objective(ctx, stats, bb), **distill)
+                                 backward=backward, loss=tc.loss, dpace_alpha=tc.dpace_alpha, extra=extra_fn,
+                                 linear_ce=ctx.linear_ce if fused else None,
+                                 head=model.head_spec() if fused else None, **distill)
             if backward and h_leaf.grad is not None:
                 h.backward(h_leaf.grad)
             finite = torch.isfinite(out.weighted_ce.detach())

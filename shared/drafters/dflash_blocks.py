@@ -25,9 +25,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 
+from specring.shared.drafters.linear_ce import IGNORE, LinearCE
+from specring.shared.models.dflash import HeadSpec
 from specring.shared.models.draft_attention import seq_index
-
-IGNORE = -100
 
 
 def _check_packed(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
@@ -216,11 +216,35 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float = 0.5) -> 
         return w * valid
 
 
+def _fused_block_loss(linear_ce: LinearCE, head: HeadSpec, h3: torch.Tensor, lab: torch.Tensor,
+                      wk: torch.Tensor, pred: torch.Tensor, backward: bool) -> torch.Tensor:
+    """``block_loss``'s cross-entropy by one fused linear + CE call per block slot: the rows of slot ``k`` share
+    the weight ``wk[k]``, so each call reduces by sum and the weight scales its scalar (unlabelled rows are
+    ``-100``, weight 0). Fills ``pred``; returns the weighted sum (detached when ``backward``)."""
+    total = torch.zeros((), dtype=torch.float32, device=h3.device)
+    rows = h3[:, 1:].transpose(0, 1)                                       # [B-1, A, H]
+    weight = head.weight  # under autocast as is (bf16); else in the hidden dtype, as the drafter's logits
+    if not torch.is_autocast_enabled(h3.device.type):
+        weight = weight.to(h3.dtype)
+    for k in range(lab.shape[1]):
+        x = rows[k].contiguous()
+        if head.scale != 1.0:
+            x = x * head.scale
+        ce, pk = linear_ce(x, weight, lab[:, k].long(), head.softcap)
+        loss_k = ce.float() * wk[k]
+        pred[:, k] = pk
+        if backward:
+            loss_k.backward()
+            loss_k = loss_k.detach()
+        total = total + loss_k
+    return total
+
+
 def block_loss(logits_fn, hidden: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor,
                chunk_rows: int | None = None, backward: bool = False, *,
                topk_ids: torch.Tensor | None = None, topk_logprobs: torch.Tensor | None = None,
                distill_weight: float = 0.0, loss: str = "ce", dpace_alpha: float = 0.5,
-               extra=None) -> BlockLoss:
+               extra=None, linear_ce: LinearCE | None = None, head: HeadSpec | None = None) -> BlockLoss:
     """Weighted cross-entropy of draft hidden states ``hidden [A*B, H]`` against ``labels [A, B]``.
 
     ``logits_fn`` maps ``[N, H] -> [N, V]`` (the frozen LM head); it is applied to the rows of slots
@@ -246,10 +270,18 @@ def block_loss(logits_fn, hidden: torch.Tensor, labels: torch.Tensor, weights: t
     when given, is called for each chunk of blocks ``i..j-1`` (``n = (j - i) * (B - 1)`` rows of slots 1..B-1)
     (``w [j - i, B-1]`` the chunk's slot weights as the cross-entropy used them: the decay or D-PACE's, 0 where
     unlabelled) and returns a scalar loss added to the chunk's before its backward (DFlash2's selector loss).
+    ``linear_ce`` with ``head`` (``shared.drafters.linear_ce.resolve_linear_ce``): the cross-entropy and the argmax by a fused linear +
+    cross-entropy kernel, one call per slot (``_fused_block_loss``), ``logits_fn`` unused; the same loss and
+    gradient up to the kernels' rounding. Only the plain ``ce`` loss without distillation or ``extra`` (those
+    need the logits): ``ValueError`` otherwise.
     Raises ``ValueError`` for another ``loss``.
     """
     if loss not in ("ce", "dpace"):
         raise ValueError(f"loss: must be ce or dpace, got {loss!r}")
+    if linear_ce is not None and (loss != "ce" or extra is not None or head is None
+                                  or (topk_ids is not None and distill_weight > 0)):
+        raise ValueError("fused linear cross-entropy: only the ce loss without distillation or an extra objective, "
+                         "with the head given")
     a, b = labels.shape
     dev = hidden.device
     h3 = hidden.view(a, b, hidden.shape[-1])
@@ -263,7 +295,9 @@ def block_loss(logits_fn, hidden: torch.Tensor, labels: torch.Tensor, weights: t
     dpace = loss == "dpace"
     if dpace:
         w = w.clone()
-    for i in range(0, a, blocks_per_chunk):
+    if linear_ce is not None:
+        total = _fused_block_loss(linear_ce, head, h3, lab, weights.to(dev, torch.float32)[1:], pred, backward)
+    for i in range(0, a if linear_ce is None else 0, blocks_per_chunk):
         j = min(a, i + blocks_per_chunk)
         logits = logits_fn(h3[i:j, 1:].reshape((j - i) * (b - 1), -1)).float()
         target = lab[i:j].reshape(-1)

@@ -96,6 +96,17 @@ SLIDING_ATTENTION = "sliding_attention"
 LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 
 
+@dataclass(frozen=True)
+class HeadSpec:
+    """The drafter's LM head as a fused loss needs it: ``logits = softcap(scale * hidden @ weight.T)``.
+
+    ``weight [V, H]`` (the frozen target head, bf16 on CUDA), ``scale`` the output multiplier (DFlash2's
+    ``output_multiplier``; 1 for DFlash), ``softcap`` ``c`` of ``c * tanh(x / c)`` or None."""
+    weight: torch.Tensor
+    scale: float = 1.0
+    softcap: float | None = None
+
+
 @dataclass
 class DFlashConfig(DraftConfigDict):
     """Shape and conventions of a DFlash drafter (serialised as ``dflash_config.json`` in checkpoints).
@@ -298,7 +309,10 @@ class DFlashAttention(nn.Module):
         (``block_attention``; causal inside the block when the layer ``is_causal``). Flex form (``attn_mask``
         a ``shared.models.draft_attention.FlexMask``): ``x`` and the context are already padded to the mask's
         ``q_len``/``ctx_len`` and ``flex_attention`` runs the block-sparse pattern (compiled on CUDA).
-        Returns ``[Q, H]``."""
+        Batched inference form (``ctx_kv`` of 4-D ``[R, kv_heads, C, head_dim]`` tensors, one padded context per
+        row, ``shared.models.batched_decode``): ``x`` is ``R`` blocks of ``Q / R`` draft tokens, block ``r``
+        attends to row ``r`` of the context and to itself under ``attn_mask [R, Q/R, C+Q/R] bool``; the dense
+        form for every row at once. Returns ``[Q, H]``."""
         q_len = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(q_len, self.num_heads, self.head_dim)).transpose(0, 1)
         q = apply_rope(q, cos, sin)
@@ -310,6 +324,8 @@ class DFlashAttention(nn.Module):
             out = flex_attention_fn(q.is_cuda)(q.to(dt)[None], k, v, block_mask=attn_mask.block_mask,
                                                enable_gqa=self.num_heads != self.num_kv_heads)[0]
             return self.o_proj(out.transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim))
+        if ctx_kv[0].dim() == 4:
+            return self._batched(q, k_blk, v_blk, ctx_kv, attn_mask)
         if block_size is not None:
             out = block_attention(q, ctx_kv[0].to(k_blk.dtype), ctx_kv[1].to(v_blk.dtype), k_blk, v_blk,
                                   attn_mask, block_size, causal=self.is_causal)
@@ -323,6 +339,24 @@ class DFlashAttention(nn.Module):
         mask = None if attn_mask is None else attn_mask[None, None]
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask)
         return self.o_proj(out[0].transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim))
+
+    def _batched(self, q: torch.Tensor, k_blk: torch.Tensor, v_blk: torch.Tensor,
+                 ctx_kv: tuple[torch.Tensor, torch.Tensor], attn_mask: torch.Tensor) -> torch.Tensor:
+        """The batched inference form of ``forward``: ``q [Hq, R*b, D]``, ``k_blk/v_blk [Hkv, R*b, D]``, ``ctx_kv``
+        two ``[R, Hkv, C, D]``, ``attn_mask [R, b, C+b] bool`` -> ``[R*b, H]`` (the dense form, per row)."""
+        r, q_len = ctx_kv[0].shape[0], q.shape[1]
+        b = q_len // r
+        qb = q.view(self.num_heads, r, b, self.head_dim).transpose(0, 1)
+        kb = k_blk.view(self.num_kv_heads, r, b, self.head_dim).transpose(0, 1)
+        vb = v_blk.view(self.num_kv_heads, r, b, self.head_dim).transpose(0, 1)
+        k = torch.cat([ctx_kv[0].to(kb.dtype), kb], dim=2)
+        v = torch.cat([ctx_kv[1].to(vb.dtype), vb], dim=2)
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(qb, k, v, attn_mask=attn_mask[:, None])
+        return self.o_proj(out.transpose(1, 2).reshape(q_len, self.num_heads * self.head_dim))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -566,6 +600,12 @@ class DFlashDrafter(nn.Module):
         if not torch.is_autocast_enabled(hidden.device.type):
             w = w.to(hidden.dtype)  # under autocast the bf16 head is used as is: no [V, H] float32 copy
         return F.linear(hidden, w)
+
+    def head_spec(self):
+        """The head as a ``HeadSpec`` (for a fused linear + cross-entropy loss):
+        ``logits`` is ``hidden @ weight.T`` (the weight cast to the hidden dtype outside autocast, as there)."""
+        self._check_ready()
+        return HeadSpec(self.lm_head.weight)
 
     # ------------------------------------------------------------------ inference
     def extend_cache(self, ctx_hidden: torch.Tensor, ctx_positions: torch.Tensor,

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specring.shared.models.dflash import DFlashConfig, DFlashDecoderLayer, DFlashDrafter, DraftCache
+from specring.shared.models.dflash import DFlashConfig, DFlashDecoderLayer, DFlashDrafter, DraftCache, HeadSpec
 
 
 def _check_int(name: str, value, lo: int) -> None:
@@ -341,6 +341,11 @@ class DFlash2Drafter(DFlashDrafter):
         if c is not None:
             x = c * torch.tanh(x / c)
         return x
+
+    def head_spec(self):
+        """``logits``' head with its output multiplier and softcap (``shared.models.dflash.HeadSpec``)."""
+        spec = super().head_spec()
+        return HeadSpec(spec.weight, float(self.config.output_multiplier), self.config.final_logit_softcapping)
 
     @torch.no_grad()
     def propose_block(self, ctx_hidden: torch.Tensor, ctx_positions: torch.Tensor, anchor_token: int,

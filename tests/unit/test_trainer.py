@@ -308,3 +308,31 @@ def test_warm_up_falls_back_when_a_form_cannot_compile(few, tmp_path, caplog):
     assert tr.attention == "dense" and "form=flex fallback=dense" in caplog.text
     assert same(w0, weights(tr)) and all(p.grad is None for p in tr.params)
     assert math.isfinite(tr.step(few[0], [0])["loss"])
+
+
+def test_fused_linear_ce_path_trains_exactly_as_the_chunked_loss(few, tmp_path):
+    """--trainer.fused-ce: one fused linear + cross-entropy per block slot (here the torch reference the Liger
+    kernel is held to on CUDA, tests/unit/test_linear_ce.py) gives the chunked loss's loss, metrics and update."""
+    off, fused = small_cfg(fused_ce="off"), small_cfg(fused_ce="torch")
+    a = Trainer(off, dcfg_for(off), TARGET, "cpu", tmp_path / "a", write_metrics=False)
+    b = Trainer(fused, dcfg_for(fused), TARGET, "cpu", tmp_path / "b", write_metrics=False)
+    assert a.objective_ctx.linear_ce is None and b.objective_ctx.linear_ce is not None
+    w_init = weights(a)
+    for i in range(2):
+        ma, mb = a.step(few[i], [i]), b.step(few[i], [i])
+        assert ma["loss"] == pytest.approx(mb["loss"], rel=1e-5)
+        assert ma["accept_proxy"] == pytest.approx(mb["accept_proxy"], rel=1e-6)
+        assert ma["per_slot_acc"] == pytest.approx(mb["per_slot_acc"], rel=1e-6)
+    same_update(w_init, weights(a), weights(b))
+
+
+def test_fused_linear_ce_is_refused_where_liger_cannot_run_and_skipped_where_the_loss_needs_logits(few, tmp_path):
+    from specring.shared.drafters.linear_ce import resolve_linear_ce
+    with pytest.raises(ValueError, match="liger needs a CUDA device"):
+        resolve_linear_ce("liger", "cpu")
+    assert resolve_linear_ce("auto", "cpu") is None  # auto on the CPU: the chunked path
+    # D-PACE weighs each slot by its own cross-entropy: the fused path stands aside, the loss is D-PACE's
+    d_off, d_fused = small_cfg(loss="dpace", fused_ce="off"), small_cfg(loss="dpace", fused_ce="torch")
+    a = Trainer(d_off, dcfg_for(d_off), TARGET, "cpu", tmp_path / "a", write_metrics=False)
+    b = Trainer(d_fused, dcfg_for(d_fused), TARGET, "cpu", tmp_path / "b", write_metrics=False)
+    assert a.step(few[0], [0])["loss"] == pytest.approx(b.step(few[0], [0])["loss"], rel=1e-6)

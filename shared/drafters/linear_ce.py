@@ -1,0 +1,69 @@
+"""Fused linear + cross-entropy over the LM head: the ``LinearCE`` callables ``block_loss`` may use.
+
+The DFlash families' loss is a cross-entropy over the frozen target head (``[rows, H] @ [H, V]``, V up to 152K
+for Qwen3 targets), the largest matrix product and the largest tensor of a training step when its logits are
+materialised in float32 (``shared.drafters.dflash_blocks.block_loss``'s own chunked path). A maintained kernel
+library computes it chunk by chunk without storing the logits; ``--trainer.fused-ce`` picks it, measured against
+the own path by ``benchmarks/trainer.py --attention flex flex+fused`` (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from specring.shared.config import FUSED_CE
+
+IGNORE = -100  # the label of a row that is not a prediction (F.cross_entropy's ignore_index)
+
+# (x [n, H], weight [V, H], labels [n] long (-100: ignored), softcap) -> (sum of CE over labelled rows: fp32
+# scalar with a gradient into x, argmax [n] long (any value where ignored))
+LinearCE = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "float | None"], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+def torch_linear_ce_sum(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``LinearCE`` in plain torch (float32 logits materialised): the reference the fused kernels are
+    tested against, and the CPU path of ``--trainer.fused-ce`` tests."""
+    logits = F.linear(x, weight).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    ce = F.cross_entropy(logits, labels, reduction="sum", ignore_index=IGNORE)
+    return ce, logits.detach().argmax(-1)
+
+
+def liger_linear_ce_sum(x: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ``LinearCE`` by Liger Kernel's fused linear cross-entropy (linkedin/Liger-Kernel,
+    ``liger_kernel/ops/fused_linear_cross_entropy.py``, an optional dependency, CUDA only): logits computed
+    chunk by chunk in the kernel and never stored, the input gradient computed in the forward (reduction
+    ``sum``: a scalar upstream gradient, as ``block_loss``'s per-slot weights are), the argmax from the same
+    pass. The chunk budget is set so that one chunk covers the rows (``chunk_mem_const >= V / H``), since a
+    per-slot call has only ``A`` rows."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    v, h = weight.shape
+    out = liger_fused_linear_cross_entropy(x, weight, labels, ignore_index=IGNORE, reduction="sum",
+                                           softcap=softcap, return_predicted_tokens=True,
+                                           chunk_mem_const=max(1, -(-v // h)))
+    return out.loss, out.predicted_tokens
+
+
+def resolve_linear_ce(choice: str, device: torch.device | str) -> LinearCE | None:
+    """The ``LinearCE`` of ``--trainer.fused-ce``: ``off`` none (``block_loss``'s chunked float32 path);
+    ``liger`` Liger Kernel's (``ValueError`` when not installed or not on CUDA); ``torch`` the reference (tests);
+    ``auto`` Liger's on CUDA when installed, else none. Measured against the chunked path in
+    ``benchmarks/trainer.py`` (docs/performance.md)."""
+    if choice not in FUSED_CE:
+        raise ValueError(f"fused_ce: must be one of {', '.join(FUSED_CE)}, got {choice!r}")
+    cuda = torch.device(device).type == "cuda"
+    have = importlib.util.find_spec("liger_kernel") is not None
+    if choice == "liger" and not (cuda and have):
+        raise ValueError("fused_ce: liger needs a CUDA device and Liger Kernel installed (pip install liger-kernel)"
+                         + ("" if have else "; it is not installed"))
+    if choice == "liger" or (choice == "auto" and cuda and have):
+        return liger_linear_ce_sum
+    return torch_linear_ce_sum if choice == "torch" else None
