@@ -16,6 +16,15 @@ baseline of ``speedup``, but token equality with it does not apply: the lossless
 ``lossless_mismatches`` is null. The JSON output records the parameters under ``sampling``. Bad values
 (negative or non-finite temperature, ``--top-p`` outside (0, 1], negative ``--top-k`` or seed) are a
 ``ConfigError`` (exit code 2) before anything is loaded.
+
+Batching: the greedy reference and every greedy row decode ``--batch-size`` prompts together (default 64, so the
+standard setting's 24 in one group; ``shared.models.batched_decode``): one target forward per step for all of
+them, each prompt with its own cache length, acceptance and stop, the same tokens and acceptance lengths as
+one prompt at a time (``--batch-size 1``). Sampled rows (``--temperature > 0``), their speed baseline, and
+every row on a target with linear-attention or sliding-window layers decode one prompt at a time; each row
+of the JSON report says ``batched`` (true/false), ``batch_size``, ``batched_reason`` (why not, when it was
+asked) and ``batch_forwards`` (target forwards run), and the table is followed by one line per row that was
+not batched. ``tokens_per_s`` is then the group's throughput (the wall time of a group shared by its prompts).
 """
 
 from __future__ import annotations
@@ -30,13 +39,13 @@ from typing import Any
 import torch
 
 from specring.shared.drafters import DEFAULT_FAMILY, family_of_export, get_family
+from specring.shared.models.batched_decode import batched_greedy_generate, decode_prompts, target_batch_support
 from specring.shared.models.ngram import PromptLookupProposer
 from specring.shared.models.speculative import (
     SamplingParams,
     check_same_head,
     greedy_generate,
     load_prompts,
-    speculative_generate,
     summarize,
     target_vocab_size,
 )
@@ -83,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-draft-tokens", type=int,
                    help="EAGLE-3: tokens drafted one by one per verify step (chain drafting; the verify block is "
                         "K+1, also for the baselines); default: the drafter's TTT steps")
+    g.add_argument("--batch-size", type=int, default=64,
+                   help="prompts decoded together: the greedy reference and every row run all their prompts "
+                        "through the target at once (shared.models.batched_decode; the same tokens and acceptance "
+                        "lengths); 1: one prompt at a time. Sampling and hybrid linear-attention targets decode one "
+                        "prompt at a time whatever this says (the report says why)")
     g.add_argument("--ignore-eos", action="store_true", help="do not stop at the target's EOS token")
     g.add_argument("--no-lossless-check", action="store_true", help="skip the greedy reference decode")
     g.add_argument("--temperature", type=float, default=0.0,
@@ -146,8 +160,9 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     from specring.shared.errors import ConfigError
     from specring.shared.models.target import load_target
 
+    batch_size = int(getattr(args, "batch_size", 1))
     for flag, v in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
-                    ("--prompt-len", args.prompt_len)):
+                    ("--prompt-len", args.prompt_len), ("--batch-size", batch_size)):
         if v < 1:
             raise ConfigError(f"{flag}: must be >= 1, got {v}")
     sampling = sampling_params(args)
@@ -214,23 +229,28 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
         from specring.shared.data.demo import ensure_demo
         data = [ensure_demo()[1]]
     greedy_generate(target, [0, 1, 2, 3], 4)  # warm-up: keep one-time costs out of tokens/s
+    if batch_size > 1 and target_batch_support(target) is None:
+        batched_greedy_generate(target, [[0, 1, 2, 3], [0, 1]], 4)
     rows = []
     for path in data:
         prompts = load_prompts(path, args.num_prompts, args.prompt_len)
         ref, greedy_rate = None, None
         if not args.no_lossless_check:
-            ref = [greedy_generate(target, p, args.max_new_tokens, stop)
-                   for p in _progress(prompts, f"{path.stem}: target greedy")]
+            # sampled rows decode one prompt at a time (batch_support): so does their speed baseline
+            ref, info = _decode(target, None, prompts, args.max_new_tokens, bsz, None, stop,
+                                f"{path.stem}: target greedy", batch_size=1 if sampled else batch_size)
+            if sampled and batch_size > 1:
+                info["batched_reason"] = "speed baseline of the sampled rows, which decode one prompt at a time"
             rows.append({"dataset": path.stem,
                          "drafter": "target greedy (speed baseline)" if sampled else "target greedy (reference)",
-                         **summarize(ref, bsz), "speedup": 1.0})
+                         **summarize(ref, bsz), "speedup": 1.0, **info})
             greedy_rate = rows[-1]["tokens_per_s"]
         for name, proposer in rows_spec:
             gen = torch.Generator().manual_seed(sampling_seed) if sampled else None  # per row: reproducible alone
-            res = [speculative_generate(target, proposer, p, args.max_new_tokens, bsz, layer_ids, stop,
-                                        sampling=sampling if sampled else None, generator=gen)
-                   for p in _progress(prompts, f"{path.stem}: {name}")]
-            row = {"dataset": path.stem, "drafter": name, **summarize(res, bsz)}
+            res, info = _decode(target, proposer, prompts, args.max_new_tokens, bsz, layer_ids, stop,
+                                f"{path.stem}: {name}", batch_size=batch_size,
+                                sampling=sampling if sampled else None, generator=gen)
+            row = {"dataset": path.stem, "drafter": name, **summarize(res, bsz), **info}
             if ref is not None:
                 row["lossless_mismatches"] = None if sampled else sum(r.tokens != g.tokens for r, g in zip(res, ref))
                 row["speedup"] = row["tokens_per_s"] / greedy_rate if greedy_rate and row["tokens_per_s"] else None
@@ -240,6 +260,7 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
             "drafter_kind": family.name if family is not None else None, "device": device,
             "dtype": str(dtype).replace("torch.", ""), "block_size": bsz, "num_prompts": args.num_prompts,
             "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens, "stop_token_ids": stop,
+            "batch_size": batch_size,
             "target_layer_ids": layer_ids,
             "sampling": {**sampling.to_dict(), "seed": sampling_seed if sampled else None},
             "lossless_check": ("not applicable: sampled decoding (temperature > 0)" if sampled else
@@ -247,10 +268,14 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
             "rows": rows}
 
 
-def _progress(items: list, desc: str):
-    """A tqdm bar over ``items`` (one tick per prompt) on stderr."""
+def _decode(target, proposer, prompts: list[list[int]], max_new_tokens: int, bsz: int, layer_ids, stop, desc: str,
+            **kw) -> tuple[list, dict[str, Any]]:
+    """``decode_prompts`` under a progress bar (one tick per finished prompt); returns its results and its info
+    (``batched``, ``batch_size``, ``batched_reason``, ``batch_forwards``: the row's fields in the report)."""
     from tqdm import tqdm
-    return tqdm(items, desc=desc, unit="prompt", file=sys.stderr, leave=False, dynamic_ncols=True)
+    with tqdm(total=len(prompts), desc=desc, unit="prompt", file=sys.stderr, leave=False, dynamic_ncols=True) as bar:
+        return decode_prompts(target, proposer, prompts, max_new_tokens, bsz, layer_ids, stop, on_done=bar.update,
+                              **kw)
 
 
 def _close_progress_bars() -> None:
@@ -347,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
           f"prompt {report['prompt_len']} tokens, {report['max_new_tokens']} new, {report['device']} "
           f"{report['dtype']}, {_decoding_line(report['sampling'])}")
     print(format_table(report))
+    unbatched = [r for r in report["rows"] if report.get("batch_size", 1) > 1 and r.get("batched") is False]
+    for r in unbatched:
+        print(f"{r['drafter']}: decoded one prompt at a time ({r.get('batched_reason')})")
     if any(r.get("cache_rollback") == "replay" for r in report["rows"]):
         print("target cache: linear-attention states restored after a partial acceptance and the accepted tokens "
               "re-run (counted in fwd/tok)")

@@ -882,7 +882,7 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
                  layer_ids: Sequence[int] | None, *, block_size: int | None = None,
                  stop_token_ids: Sequence[int] = (), check_lossless: bool = False,
                  on_prompt: Callable[[int, int], None] | None = None, sampling: SamplingParams | None = None,
-                 seed: int = 0) -> dict[str, Any]:
+                 seed: int = 0, batch_size: int = 1) -> dict[str, Any]:
     """τ of ``drafter`` on ``prompts`` against an already-loaded target (for the trainer's checkpoints).
 
     ``target_model``: HF ``AutoModelForCausalLM`` in eval mode; ``drafter``: a live drafter of any family (put in
@@ -901,7 +901,13 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
     there: with ``check_lossless`` the greedy decode still runs (``greedy_tokens_per_s``) and
     ``lossless_mismatches`` is None. Returns ``summarize``'s dict, plus, when sampled, ``sampling`` (the
     parameters, ``SamplingParams.to_dict``) and ``sampling_seed``.
+
+    ``batch_size`` > 1 decodes that many prompts together (``shared.models.batched_decode.decode_prompts``: the
+    same tokens and acceptance lengths, ``on_prompt`` called after each group), or one at a time where batching
+    does not apply (sampling, a hybrid target); the result then also has ``batched``, ``batch_size``,
+    ``batched_reason`` and ``batch_forwards``. Raises ``ValueError`` for ``batch_size < 1``.
     """
+    from specring.shared.models.batched_decode import decode_prompts
     if isinstance(drafter, torch.nn.Module):  # a drafter: its family's proposer (shared.drafters)
         from specring.shared.drafters import family_of
         if layer_ids is not None and list(layer_ids) != list(drafter.config.target_layer_ids):
@@ -921,19 +927,25 @@ def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens
     if isinstance(drafter, torch.nn.Module):
         drafter.eval()
     try:
-        results = []
-        for p in prompts:
-            results.append(speculative_generate(target_model, proposer, p, max_new_tokens, bsz, layer_ids,
-                                                stop_token_ids, sampling=sampling if sampled else None,
-                                                generator=generator))
+        done = [0]
+
+        def finished(n: int) -> None:
+            done[0] += n
             if on_prompt is not None:
-                on_prompt(len(results), len(prompts))
+                on_prompt(done[0], len(prompts))
+
+        results, info = decode_prompts(target_model, proposer, prompts, max_new_tokens, bsz, layer_ids,
+                                       stop_token_ids, batch_size=batch_size,
+                                       sampling=sampling if sampled else None, generator=generator, on_done=finished)
         out = summarize(results, bsz)
+        if int(batch_size) > 1:
+            out.update(info)
         if sampled:
             out["sampling"] = sampling.to_dict()
             out["sampling_seed"] = int(seed)
         if check_lossless:
-            ref = [greedy_generate(target_model, p, max_new_tokens, stop_token_ids) for p in prompts]
+            ref, _ = decode_prompts(target_model, None, prompts, max_new_tokens, bsz, None, stop_token_ids,
+                                    batch_size=1 if sampled else batch_size)
             out["lossless_mismatches"] = (None if sampled else
                                           sum(r.tokens != g.tokens for r, g in zip(results, ref)))
             out["greedy_tokens_per_s"] = summarize(ref, bsz)["tokens_per_s"]

@@ -366,7 +366,7 @@ def test_cli_names_a_decoding_failure_in_one_line_and_exits_1(tmp_path, prompts,
     def broken(*args, **kwargs):
         raise RuntimeError("crop was called, but the current layer does not track past states.\nCall it first")
 
-    monkeypatch.setattr(cli_eval, "speculative_generate", broken)
+    monkeypatch.setattr(cli_eval, "decode_prompts", broken)
     capsys.readouterr()
     rc = main(["--baselines-only", "--baselines", "prompt-lookup", "--data", str(data), "--num-prompts", "1",
                "--prompt-len", "48", "--max-new-tokens", "4", "--device", "cpu", "--no-lossless-check"])

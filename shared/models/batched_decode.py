@@ -1,0 +1,778 @@
+"""Batched greedy and speculative decoding: all prompts of a row go through the target together.
+
+The algorithm is the one-prompt loop of ``shared.models.speculative`` (``greedy_generate``,
+``speculative_generate``, greedy branch: z-lab/dflash ``dflash/model.py`` ``dflash_generate``), run for every
+unfinished prompt of a group at once; every prompt keeps its own sequence, drafts, acceptance and stop, and
+the counting (``DecodeResult``: acceptance lengths, drafted tokens, target forwards) is the one-prompt loop's,
+so ``summarize`` reads the results as before. Greedy only (temperature 0). Written here, not copied.
+
+Per step, for the ``A`` prompts still decoding:
+
+1. The proposer drafts for all ``A`` rows (``BatchedProposer.propose``: DFlash/DFlash2 one block forward for
+   every row, the DFlash2 selector walk per row on the host; EAGLE-3 one chain for every row; prompt lookup
+   per row on the CPU). A row's drafts may be shorter than ``k`` (prompt lookup); the verify block is padded
+   to the longest with the anchor token, and the padding's logits are never read.
+2. One verify forward of ``[A, m + 1]`` tokens, each row at its own positions (``position_ids``), over the
+   batched target cache (``BatchedTargetCache``); each row accepts its own ``a`` and produces its own tokens.
+3. The columns of a row's rejected drafts are masked out of the cache (the ``attention_mask`` hides them from
+   every later query) instead of cropped, since rows accept different counts; the cache is compacted (each
+   row's kept columns gathered, right-aligned) once masked columns waste a quarter of it. Rows that reached
+   ``max_new_tokens`` or a stop token drop out of the cache and the proposer (``select``).
+
+Each prompt is prefilled alone (the one-prompt loop's own prefill forward: its first token and prompt features
+are those bits) and the per-prompt caches are stacked, left-padded, into one ``[A, kv_heads, L, head_dim]`` cache
+per layer. Keys hold the RoPE of their true positions, so moving columns is exact; within a row, columns stay
+in position order, so the target's causal mask (by column) is the row's causal order.
+
+Exactness: in exact arithmetic every emitted token and acceptance length equals the one-prompt loop's. In
+floating point a batched forward rounds differently from a batch-1 forward (other matrix shapes, a padded
+attention), as the one-prompt loop's ``k + 1``-token verify forward already does against a one-token step: a
+near-tie of the two best logits can flip. ``tests/unit/test_batched_decode.py`` asserts equality with the
+one-prompt loop in float32 on the fixture target for every proposer kind.
+
+What is batched (``batch_support``; anything else decodes one prompt at a time, and the caller says why):
+
+* targets whose every cache layer is a plain attention ``DynamicLayer`` (transformers >= 4.56) with ``sdpa``
+  or ``eager`` attention; hybrid linear-attention targets (their recurrent states cannot mask out a rejected
+  token) and sliding-window layers (their cache keeps the last window of *columns*) are not;
+* greedy decoding; sampling (temperature > 0) is not: its draws come from one generator in prompt order, and
+  a batch would draw them in another order;
+* the proposers ``DFlashProposer``, ``DFlash2Proposer``, ``Eagle3Proposer`` and ``PromptLookupProposer``
+  (``batched_proposer``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specring.shared.models.speculative import (
+    DecodeResult,
+    DFlashProposer,
+    Eagle3Proposer,
+    SamplingParams,
+    _cache_kwarg,
+    _check_args,
+    _cut_at_stop,
+    _device_of,
+    _prefill,
+    greedy_generate,
+    holds_linear_state,
+    speculative_generate,
+)
+
+_ATTENTION_OK = ("sdpa", "eager")
+_ATTN_SCORE_BUDGET = 1 << 27   # float32 scores alive at once in a batched EAGLE-3 context extension
+
+
+# ---------------------------------------------------------------------------------------------- support
+def _plain_layers(cache) -> str | None:
+    """None when every layer of ``cache`` is a plain attention ``DynamicLayer``; else the reason it is not."""
+    from transformers import cache_utils
+    layers = getattr(cache, "layers", None)
+    plain = getattr(cache_utils, "DynamicLayer", None)
+    if not isinstance(layers, (list, tuple)) or not layers or plain is None:
+        return "the installed transformers has no per-layer cache (DynamicLayer, transformers >= 4.56)"
+    if holds_linear_state(cache):
+        return "the target has linear-attention layers (their states cannot mask out a rejected draft)"
+    kinds = sorted({type(layer).__name__ for layer in layers if type(layer) is not plain})
+    if kinds:
+        return f"the target's cache has {', '.join(kinds)} layers (batched decoding needs plain attention layers)"
+    return None
+
+
+def target_batch_support(target) -> str | None:
+    """None when ``target`` can decode batched (``BatchedTargetCache``), else the reason, one line. Probes the
+    cache its layers build with a one-token forward, once per model (remembered on the model)."""
+    cached = getattr(target, "_specring_batch_support", False)
+    if cached is not False:
+        return cached
+    impl = getattr(target.config, "_attn_implementation", None) or "eager"
+    if impl not in _ATTENTION_OK:
+        reason = f"attention implementation {impl!r} (batched decoding needs sdpa or eager)"
+    else:
+        with torch.no_grad():
+            _, _, cache = _prefill(target, [0], None)
+        reason = _plain_layers(cache)
+    target._specring_batch_support = reason
+    return reason
+
+
+def batch_support(target, proposer=None, sampling: SamplingParams | None = None) -> str | None:
+    """None when ``proposer`` (None: plain greedy decoding) decodes batched on ``target`` with ``sampling``;
+    else why not (the one-prompt loop runs then)."""
+    if sampling is not None and not sampling.greedy:
+        return ("sampling (temperature > 0): the draws come from one generator in prompt order, a batch would "
+                "draw them in another order")
+    if proposer is not None and batched_proposer(proposer) is None:
+        return f"proposer {getattr(proposer, 'name', type(proposer).__name__)!r} has no batched form"
+    return target_batch_support(target)
+
+
+# ---------------------------------------------------------------------------------------------- target cache
+class BatchedTargetCache:
+    """The target's KV cache for ``A`` rows decoding together, per-row lengths kept by a column mask.
+
+    ``cache``: the model's ``DynamicCache`` whose layers hold ``[A, kv_heads, L, head_dim]`` keys and values;
+    ``mask``: ``[A, L] bool`` on the target's device, True where column ``l`` of row ``a`` holds a verified
+    token of that row. Every row's kept columns are in position order. Built by ``prefill``; ``verify`` appends
+    a block to every row, ``keep`` masks out what each row rejected, ``select`` drops finished rows. Raises
+    ``ValueError`` from ``prefill`` for a target ``target_batch_support`` refuses.
+    """
+
+    def __init__(self, target):
+        self.target = target
+        self.cache = None
+        self.mask: torch.Tensor | None = None
+        self.forwards = 0            # batched forwards (prefills counted one per prompt)
+        self._block = 0              # columns appended by the last verify
+
+    def prefill(self, prompts: Sequence[Sequence[int]], capture) -> tuple[list[torch.Tensor], list | None]:
+        """Prefill each prompt alone (``speculative._prefill``), then stack the caches left-padded. Returns
+        ``(last logits [V] float32 per prompt, features [P, n*H] per prompt or None)``."""
+        logits, feats, caches = [], [], []
+        for p in prompts:
+            lg, f, c = _prefill(self.target, [int(t) for t in p], capture)
+            reason = _plain_layers(c)
+            if reason is not None:
+                raise ValueError(f"BatchedTargetCache: {reason}")
+            logits.append(lg[-1])
+            feats.append(f)
+            caches.append(c)
+            self.forwards += 1
+        lengths = [len(p) for p in prompts]
+        width = max(lengths)
+        self.cache = caches[0]
+        for i, layer in enumerate(self.cache.layers):
+            layer.keys = torch.cat([F.pad(c.layers[i].keys, (0, 0, width - n, 0)) for c, n in zip(caches, lengths)])
+            layer.values = torch.cat([F.pad(c.layers[i].values, (0, 0, width - n, 0))
+                                      for c, n in zip(caches, lengths)])
+        dev = _device_of(self.target)
+        self.mask = torch.arange(width, device=dev)[None, :] >= torch.tensor([width - n for n in lengths],
+                                                                            device=dev)[:, None]
+        return logits, (feats if capture is not None else None)
+
+    def verify(self, ids: torch.Tensor, start: torch.Tensor, capture, last_only: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of ``ids [A, S] long`` at positions ``start[a] ..`` (``start [A] long``) for every row
+        over the cache. Returns ``(logits [A, S|1, V] float32, features [A, S, n*H] or None)``; the ``S`` new
+        columns count as kept until ``keep``."""
+        dev = _device_of(self.target)
+        ids, start = ids.to(dev), start.to(dev)
+        a, s = ids.shape
+        self.mask = torch.cat([self.mask, torch.ones(a, s, dtype=torch.bool, device=dev)], dim=1)
+        pos = start[:, None] + torch.arange(s, device=dev)[None, :]
+        out = self.target(input_ids=ids, position_ids=pos, attention_mask=self.mask.long(), use_cache=True,
+                          logits_to_keep=1 if last_only else 0, **{_cache_kwarg(self.target): self.cache})
+        self.forwards += 1
+        self._block = s
+        feats = None
+        if capture is not None:
+            feats = torch.cat(capture.outputs(), dim=-1)
+            capture.clear()
+        return out.logits.float(), feats
+
+    def keep(self, produced: Sequence[int]) -> None:
+        """Row ``a`` keeps the first ``produced[a]`` columns of the last verify block (the anchor and its accepted
+        drafts); the rest are masked out. Compacts when masked columns waste a quarter of the width."""
+        width = self.mask.shape[1]
+        dev = self.mask.device
+        keep = torch.as_tensor(list(produced), device=dev)
+        col = torch.arange(self._block, device=dev)[None, :]
+        self.mask[:, width - self._block:] = col < keep[:, None]
+        self._maybe_compact()
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only ``rows`` (indices into the current rows, in order): the others finished."""
+        rows = list(rows)
+        if len(rows) == self.mask.shape[0]:
+            return
+        idx = torch.as_tensor(rows, dtype=torch.long, device=self.mask.device)
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys.index_select(0, idx), layer.values.index_select(0, idx)
+        self.mask = self.mask.index_select(0, idx)
+        self._maybe_compact()
+
+    def _maybe_compact(self) -> None:
+        if self.mask.shape[0] == 0:
+            return
+        width = self.mask.shape[1]
+        longest = int(self.mask.sum(dim=1).max())
+        if width - longest >= max(16, width // 4):
+            self.compact()
+
+    def compact(self) -> None:
+        """Gather each row's kept columns, right-aligned, into a cache as wide as the longest row."""
+        mask = self.mask
+        count = mask.sum(dim=1)
+        width = int(count.max())
+        rank = mask.long().cumsum(dim=1) - 1
+        rows, cols = mask.nonzero(as_tuple=True)
+        dest = width - count[rows] + rank[rows, cols]
+        src = torch.zeros(mask.shape[0], width, dtype=torch.long, device=mask.device)
+        src[rows, dest] = cols
+        new_mask = torch.zeros(mask.shape[0], width, dtype=torch.bool, device=mask.device)
+        new_mask[rows, dest] = True
+        for layer in self.cache.layers:
+            idx = src[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys, layer.values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+        self.mask = new_mask
+
+
+# ---------------------------------------------------------------------------------------------- proposers
+class BatchedProposer:
+    """What the batched loop asks of a proposer, for the ``A`` rows decoding (row ``a`` = slot ``a``).
+
+    ``reset(prompts)`` starts ``len(prompts)`` rows; ``add_context(features, starts)`` queues, per row, the
+    verified context ``features[a] [C_a, n*H]`` at positions ``starts[a] .. starts[a] + C_a - 1`` (contiguous:
+    every position before the row's next anchor, each once); ``propose(seqs, k)`` returns up to ``k`` drafts
+    per row (``seqs[a]``: prompt and generated tokens, its last entry the anchor); ``select(rows)`` keeps only
+    those rows (indices into the current ones, in order).
+    """
+
+    needs_features = True
+    name = "batched"
+
+    def reset(self, prompts: Sequence[Sequence[int]]) -> None:
+        raise NotImplementedError
+
+    def add_context(self, features: list[torch.Tensor], starts: list[int]) -> None:
+        raise NotImplementedError
+
+    def propose(self, seqs: list[list[int]], k: int) -> list[list[int]]:
+        raise NotImplementedError
+
+    def select(self, rows: Sequence[int]) -> None:
+        raise NotImplementedError
+
+
+class BatchedPromptLookup(BatchedProposer):
+    """``PromptLookupProposer`` per row (stateless, on the CPU)."""
+
+    needs_features = False
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+        self.name = proposer.name
+
+    def reset(self, prompts):
+        pass
+
+    def add_context(self, features, starts):
+        pass
+
+    def propose(self, seqs, k):
+        return [self.proposer.propose(s, k) for s in seqs]
+
+    def select(self, rows):
+        pass
+
+
+class _ContextCache:
+    """Per-layer keys/values of ``A`` rows' verified context, ``[A, kv_heads, capacity, head_dim]`` each (the
+    slot of position ``p`` is column ``p``: a row's context is positions ``0 .. length - 1``), ``lengths [A]``
+    long on the device; capacity grows by doubling."""
+
+    def __init__(self, layers: int, rows: int, kv_heads: int, head_dim: int, dtype, device):
+        self.keys = [torch.zeros(rows, kv_heads, 0, head_dim, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [k.clone() for k in self.keys]
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=device)
+
+    def reserve(self, width: int) -> None:
+        cap = self.keys[0].shape[2] if self.keys else 0
+        if width <= cap:
+            return
+        grow = max(width, 2 * cap, 64) - cap
+        self.keys = [F.pad(k, (0, 0, 0, grow)) for k in self.keys]
+        self.values = [F.pad(v, (0, 0, 0, grow)) for v in self.values]
+
+    def write(self, layer: int, rows: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Context entries ``k, v [kv_heads, N, head_dim]`` of rows ``rows [N]`` at positions ``pos [N]``."""
+        self.keys[layer][rows, :, pos] = k.transpose(0, 1).to(self.keys[layer].dtype)
+        self.values[layer][rows, :, pos] = v.transpose(0, 1).to(self.values[layer].dtype)
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.keys = [k.index_select(0, rows) for k in self.keys]
+        self.values = [v.index_select(0, rows) for v in self.values]
+        self.lengths = self.lengths.index_select(0, rows)
+
+
+class _FeatureRows(BatchedProposer):
+    """Queued context of feature proposers: ``(features, starts)`` per row until the next ``propose``."""
+
+    needs_features = True
+
+    def reset(self, prompts):
+        self.rows = len(prompts)
+        self.cache: _ContextCache | None = None
+        self._pending: list[list[tuple[torch.Tensor, int]]] = [[] for _ in range(self.rows)]
+
+    def add_context(self, features, starts):
+        if len(features) != len(self._pending):
+            raise ValueError(f"{type(self).__name__}.add_context: {len(features)} rows of context for "
+                             f"{len(self._pending)} rows")
+        for queue, f, s in zip(self._pending, features, starts):
+            if f is None:
+                raise ValueError(f"{type(self).__name__}.add_context: the drafter needs target features (got None)")
+            queue.append((f, int(s)))
+
+    def select(self, rows):
+        rows = list(rows)
+        self._pending = [self._pending[r] for r in rows]
+        if self.cache is not None:
+            self.cache.select(torch.as_tensor(rows, dtype=torch.long, device=self.cache.lengths.device))
+
+    def _take_pending(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None:
+        """The queued context of every row, packed: ``(features [N, F], rows [N], positions [N], counts [A])``
+        on ``device``; None when nothing is queued. Raises ``ValueError`` when a row's context does not
+        continue at its cache length."""
+        feats, rows, pos, counts = [], [], [], []
+        lengths = self.cache.lengths.tolist() if self.cache is not None else [0] * len(self._pending)
+        for r, queue in enumerate(self._pending):
+            n_row = 0
+            for f, s in queue:
+                if s != lengths[r] + n_row:
+                    raise ValueError(f"{type(self).__name__}: row {r}'s context at position {s} does not continue "
+                                     f"its cache of {lengths[r] + n_row} positions")
+                feats.append(f)
+                rows.append(torch.full((f.shape[0],), r, dtype=torch.long))
+                pos.append(torch.arange(s, s + f.shape[0]))
+                n_row += f.shape[0]
+            counts.append(n_row)
+        self._pending = [[] for _ in self._pending]
+        if not feats:
+            return None
+        return (torch.cat([f.to(device) for f in feats]), torch.cat(rows).to(device), torch.cat(pos).to(device),
+                counts)
+
+
+class BatchedDFlash(_FeatureRows):
+    """DFlash and DFlash2 drafting for every row at once: the new context of all rows projected together into
+    a per-row context cache, then one forward of ``A`` blocks ``[anchor, MASK x k]`` (the drafter's layers in
+    their batched inference form, ``DFlashAttention``; each block sees its row's context and itself, sliding
+    layers their window, causal layers their causal block), exactly the computation of
+    ``DFlashDrafter.draft_block_hidden`` per row. DFlash drafts each slot's argmax; DFlash2 (``selector``)
+    walks its candidate selector per row (``CandidateSelector.select``, as ``DFlash2Drafter.propose_block``)."""
+
+    def __init__(self, proposer, selector: bool):
+        self.drafter = proposer.drafter
+        self.block_size = int(proposer.block_size)
+        self.selector = bool(selector)
+        self.name = proposer.name
+
+    def _feed(self) -> None:
+        d = self.drafter
+        dev = d.fc.weight.device
+        cfg = d.config
+        if self.cache is None:
+            self.cache = _ContextCache(len(d.layers), len(self._pending), cfg.num_key_value_heads, cfg.head_dim,
+                                       d._compute_dtype(), dev)
+        packed = self._take_pending(dev)
+        if packed is None:
+            return
+        feats, rows, pos, counts = packed
+        self.cache.reserve(int((self.cache.lengths + torch.as_tensor(counts, device=dev)).max()))
+        ctx = d.project_context(feats)
+        cos, sin = d._rope(pos)
+        for i, layer in enumerate(d.layers):
+            k, v = layer.self_attn.project_kv(ctx, cos, sin)
+            self.cache.write(i, rows, pos, k, v)
+        self.cache.lengths += torch.as_tensor(counts, device=dev)
+
+    def _masks(self, pos: torch.Tensor, width: int) -> dict[str, torch.Tensor]:
+        """``{layer_type: [A, b, width + b] bool}`` for blocks at ``pos [A, b]`` (``_inference_masks`` per row,
+        plus the padding of each row's context)."""
+        a, b = pos.shape
+        dev = pos.device
+        col = torch.arange(width, device=dev)
+        valid = (col[None, :] < self.cache.lengths[:, None])[:, None, :].expand(a, b, width)
+        out = {}
+        for t, v in self.drafter.config.attention_variants().items():
+            ctx = valid
+            if v["window"] is not None:
+                ctx = ctx & ((pos[:, :, None] - col[None, None, :]) < v["window"])
+            own = torch.ones(b, b, dtype=torch.bool, device=dev)
+            if v["causal"]:
+                own = own.tril()
+            out[t] = torch.cat([ctx, own[None].expand(a, b, b)], dim=2)
+        return out
+
+    @torch.no_grad()
+    def propose(self, seqs, k):
+        k = min(int(k), self.block_size - 1)
+        if k <= 0:
+            return [[] for _ in seqs]
+        d = self.drafter
+        cfg = d.config
+        b = k + 1
+        w = cfg.sliding_window
+        if w is not None and "sliding_attention" in cfg.resolved_layer_types() and b > w:
+            raise ValueError(f"block_size: {b} > sliding_window {w}")
+        self._feed()
+        dev = d.fc.weight.device
+        anchor_pos = torch.tensor([len(s) - 1 for s in seqs], device=dev)
+        if not torch.equal(self.cache.lengths, anchor_pos):
+            raise ValueError("BatchedDFlash.propose: the context cache must hold every position before each "
+                             f"anchor (lengths {self.cache.lengths.tolist()}, anchors at {anchor_pos.tolist()})")
+        a = len(seqs)
+        anchors = [int(s[-1]) for s in seqs]
+        ids = torch.full((a, b), cfg.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = torch.tensor(anchors, device=dev)
+        pos = anchor_pos[:, None] + torch.arange(b, device=dev)[None, :]
+        width = int(self.cache.lengths.max())
+        masks = self._masks(pos, width)
+        x = d.embed(ids.reshape(-1))
+        cos, sin = d._rope(pos.reshape(-1))
+        for i, layer in enumerate(d.layers):
+            ctx_kv = (self.cache.keys[i][:, :, :width], self.cache.values[i][:, :, :width])
+            x = layer(x, ctx_kv, cos, sin, masks[layer.layer_type], None, b)
+        hidden = d.norm(x)
+        logits = d.logits(hidden).float().view(a, b, -1)
+        if not self.selector:
+            return logits[:, 1:].argmax(dim=-1).tolist()
+        hidden = hidden.view(a, b, -1)
+        out = []
+        for r in range(a):
+            path, _, _ = d.candidate_selector.select(hidden[r, 1:], logits[r, 1:], anchors[r])
+            out.append([int(t) for t in path.tolist()])
+        return out
+
+
+class BatchedEagle3(_FeatureRows):
+    """EAGLE-3 chain drafting for every row at once: step 0 over every row's new verified context (the
+    computation of ``eagle3_extend`` per row: each new position attends causally to its row's context), then
+    the chain (``eagle3_chain`` per row: step ``j`` of row ``a`` at position ``last_a + j`` attends to row
+    ``a``'s context and to its own chain keys), ``A`` rows per forward. The attention is
+    ``eagle3_attention``'s (one float32 softmax over the context scores and the chain's own keys) with a
+    batch dimension and each row's context padding masked."""
+
+    def __init__(self, proposer):
+        self.drafter = proposer.drafter
+        self.num_draft_tokens = int(proposer.num_draft_tokens)
+        self.name = proposer.name
+
+    def reset(self, prompts):
+        super().reset(prompts)
+        self.h_last: torch.Tensor | None = None     # [A, H]: step-0 output of each row's last context position
+
+    def select(self, rows):
+        super().select(rows)
+        if self.h_last is not None:
+            self.h_last = self.h_last.index_select(0, torch.as_tensor(list(rows), dtype=torch.long,
+                                                                      device=self.h_last.device))
+
+    @staticmethod
+    def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                diag_k: list[torch.Tensor], diag_v: list[torch.Tensor]) -> torch.Tensor:
+        """``eagle3_attention`` with a batch dimension: ``q [A, Hq, T, D]`` over ``keys/values [A, Hkv, C, D]``
+        where ``mask [A, T, C]`` allows, plus per later chain step the one key ``diag_k[i] [A, Hkv, T, D]`` of
+        the query's own position; one float32 softmax. Returns ``[A, Hq, T, D]`` in ``q``'s dtype."""
+        a, hq, t, d = q.shape
+        hkv = keys.shape[1]
+        g = hq // hkv
+        scale = d ** -0.5
+        qg = q.reshape(a, hkv, g, t, d).float()
+        s0 = torch.einsum("ahgtd,ahsd->ahgts", qg, keys.float()) * scale
+        s0 = s0.masked_fill(~mask[:, None, None], float("-inf"))
+        sd = [torch.einsum("ahgtd,ahtd->ahgt", qg, kd.float())[..., None] * scale for kd in diag_k]
+        p = torch.softmax(torch.cat([s0] + sd, dim=-1), dim=-1)
+        c = keys.shape[2]
+        out = torch.einsum("ahgts,ahsd->ahgtd", p[..., :c], values.float())
+        for i, vd in enumerate(diag_v):
+            out = out + p[..., c + i, None] * vd.float()[:, :, None]
+        return out.reshape(a, hq, t, d).to(q.dtype)
+
+    def _extend(self, seqs: list[list[int]]) -> None:
+        d = self.drafter
+        dev = d.fc.weight.device
+        cfg = d.config
+        if self.cache is None:
+            self.cache = _ContextCache(1, len(self._pending), cfg.num_key_value_heads, cfg.head_dim, d._dtype(), dev)
+        packed = self._take_pending(dev)
+        if packed is None:
+            return
+        feats, rows, pos, counts = packed
+        rows_h, pos_h = rows.tolist(), pos.tolist()
+        nxt = torch.tensor([seqs[r][p + 1] for r, p in zip(rows_h, pos_h)], dtype=torch.long, device=dev)
+        old = self.cache.lengths.clone()
+        new_len = old + torch.as_tensor(counts, device=dev)
+        self.cache.reserve(int(new_len.max()))
+        h = d.fuse(feats)
+        cos, sin = d.rope(pos)
+        q, k, v = d.midlayer.qkv(d.embed(nxt), h, cos, sin)      # [Hq, N, D], [Hkv, N, D]
+        self.cache.write(0, rows, pos, k, v)
+        self.cache.lengths = new_len
+        # queries padded per row: [A, Hq, T, D], T = the most new positions of a row
+        a = len(counts)
+        t = max(counts)
+        first = torch.tensor([0] + counts[:-1], device=dev).cumsum(0)
+        slot = torch.arange(rows.shape[0], device=dev) - first[rows]          # index inside its row's new block
+        attn_packed = torch.empty_like(q)
+        width = int(new_len.max())
+        hq = q.shape[0]
+        chunk = max(1, _ATTN_SCORE_BUDGET // max(1, hq * t * width))
+        col = torch.arange(width, device=dev)
+        for lo in range(0, a, chunk):
+            hi = min(a, lo + chunk)
+            sel = (rows >= lo) & (rows < hi)
+            qp = torch.zeros(hi - lo, hq, t, q.shape[2], dtype=q.dtype, device=dev)
+            qp[rows[sel] - lo, :, slot[sel]] = q[:, sel].transpose(0, 1)
+            qpos = old[lo:hi, None] + torch.arange(t, device=dev)[None, :]                        # [a, T]
+            mask = (col[None, None, :] <= qpos[:, :, None]) & (col[None, None, :] < new_len[lo:hi, None, None])
+            mask[:, :, 0] = True            # padded queries see column 0 (no row of -inf; never read)
+            out = self._attend(qp, self.cache.keys[0][lo:hi, :, :width], self.cache.values[0][lo:hi, :, :width],
+                               mask, [], [])
+            attn_packed[:, sel] = out[rows[sel] - lo, :, slot[sel]].transpose(0, 1)
+        out = d.midlayer.finish(h, attn_packed)                    # [N, H]
+        last = first + torch.as_tensor(counts, device=dev) - 1
+        h_new = out[last.clamp_min(0)]
+        has = torch.as_tensor(counts, device=dev) > 0
+        if self.h_last is None:
+            self.h_last = torch.zeros_like(h_new)
+        self.h_last = torch.where(has[:, None], h_new, self.h_last)
+
+    @torch.no_grad()
+    def propose(self, seqs, k):
+        from specring.shared.models.eagle3 import draft_to_target
+        k = min(int(k), self.num_draft_tokens)
+        fresh = [bool(queue) for queue in self._pending]
+        if k <= 0 or not any(fresh):
+            return [[] for _ in seqs]
+        self._extend(seqs)
+        d = self.drafter
+        dev = d.fc.weight.device
+        d2t_full = draft_to_target(d.d2t)
+        a = len(seqs)
+        h = self.h_last
+        last = self.cache.lengths - 1
+        width = int(self.cache.lengths.max())
+        keys, values = self.cache.keys[0][:, :, :width], self.cache.values[0][:, :, :width]
+        mask = (torch.arange(width, device=dev)[None, :] < self.cache.lengths[:, None])[:, None, :]   # [A, 1, C]
+        token = d2t_full[d.logits(h).argmax(dim=-1)]
+        out = [token]
+        dk: list[torch.Tensor] = []
+        dv: list[torch.Tensor] = []
+        for j in range(1, k):
+            cos, sin = d.rope(last + j)
+            q, kk, vv = d.midlayer.qkv(d.embed(token), h, cos, sin)     # [Hq, A, D], [Hkv, A, D]
+            dk.append(kk.transpose(0, 1)[:, :, None])
+            dv.append(vv.transpose(0, 1)[:, :, None])
+            attn = self._attend(q.transpose(0, 1)[:, :, None], keys, values, mask, dk, dv)   # [A, Hq, 1, D]
+            h = d.midlayer.finish(h, attn[:, :, 0].transpose(0, 1))
+            token = d2t_full[d.logits(h).argmax(dim=-1)]
+            out.append(token)
+        drafts = torch.stack(out, dim=1).tolist()
+        return [drafts[r] if fresh[r] else [] for r in range(a)]
+
+
+def batched_proposer(proposer) -> BatchedProposer | None:
+    """The batched form of a one-prompt proposer (a new object; the proposer is not changed), or None when it
+    has none: ``DFlashProposer`` (DFlash), ``DFlash2Proposer``, ``Eagle3Proposer``, ``PromptLookupProposer``,
+    by exact class (a subclass may change what a row sees)."""
+    from specring.shared.drafters.dflash2 import DFlash2Proposer
+    from specring.shared.models.ngram import PromptLookupProposer
+    if isinstance(proposer, BatchedProposer):
+        return proposer
+    kind = type(proposer)
+    if kind is PromptLookupProposer:
+        return BatchedPromptLookup(proposer)
+    if kind is DFlashProposer:
+        return BatchedDFlash(proposer, selector=False)
+    if kind is DFlash2Proposer:
+        return BatchedDFlash(proposer, selector=True)
+    if kind is Eagle3Proposer:
+        return BatchedEagle3(proposer)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- decoding
+def _share_wall(results: list[DecodeResult], seconds: float) -> None:
+    for r in results:
+        r.wall_s = seconds / len(results)
+
+
+@torch.no_grad()
+def batched_greedy_generate(target, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                            stop_token_ids: Sequence[int] = (), stats: dict | None = None) -> list[DecodeResult]:
+    """``greedy_generate`` of every prompt, all rows through the target together (one token per row and
+    forward). Returns one ``DecodeResult`` per prompt, as ``greedy_generate``'s, except ``wall_s``: the group's
+    wall time shared equally by its prompts (so ``summarize``'s ``tokens_per_s`` is the group's throughput).
+    ``stats`` (a dict): ``batch_forwards`` is increased by the target forwards run (a prefill per prompt, then
+    one per step for all rows). Raises ``ValueError`` for an empty prompt list or prompt, ``max_new_tokens < 1``
+    or a target whose cache is not plain attention (``BatchedTargetCache.prefill``); check
+    ``target_batch_support`` first."""
+    if not prompts:
+        raise ValueError("prompts: none given")
+    for p in prompts:
+        _check_args(p, max_new_tokens)
+    t0 = time.perf_counter()
+    stop = {int(t) for t in stop_token_ids}
+    dev = _device_of(target)
+    cache = BatchedTargetCache(target)
+    first, _ = cache.prefill(prompts, None)
+    tokens = [[int(lg.argmax())] for lg in first]
+    active = [r for r in range(len(prompts)) if len(tokens[r]) < max_new_tokens and tokens[r][-1] not in stop]
+    cache.select(active)
+    while active:
+        ids = torch.tensor([[tokens[r][-1]] for r in active], dtype=torch.long, device=dev)
+        start = torch.tensor([len(prompts[r]) + len(tokens[r]) - 1 for r in active], device=dev)
+        logits, _ = cache.verify(ids, start, None, last_only=True)
+        for r, t in zip(active, logits[:, -1].argmax(dim=-1).tolist()):
+            tokens[r].append(int(t))
+        cache.keep([1] * len(active))
+        cont = [i for i, r in enumerate(active) if len(tokens[r]) < max_new_tokens and tokens[r][-1] not in stop]
+        cache.select(cont)
+        active = [active[i] for i in cont]
+    res = [DecodeResult(prompt_len=len(p), tokens=t, accept_lengths=[1] * (len(t) - 1), drafted=[0] * (len(t) - 1),
+                        target_forwards=len(t), stopped=t[-1] in stop) for p, t in zip(prompts, tokens)]
+    if stats is not None:
+        stats["batch_forwards"] = stats.get("batch_forwards", 0) + cache.forwards
+    _share_wall(res, time.perf_counter() - t0)
+    return res
+
+
+@torch.no_grad()
+def batched_speculative_generate(target, proposer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                                 block_size: int, layer_ids: Sequence[int] | None = None,
+                                 stop_token_ids: Sequence[int] = (), stats: dict | None = None
+                                 ) -> list[DecodeResult]:
+    """Greedy ``speculative_generate`` of every prompt, all rows through the target and the proposer together
+    (see the module docstring). ``proposer``: a one-prompt proposer with a batched form (``batched_proposer``)
+    or a ``BatchedProposer``; the other arguments as ``speculative_generate``'s. Returns one ``DecodeResult``
+    per prompt, as ``speculative_generate``'s (``cache_rollback`` ``crop``: rejected columns masked out),
+    except ``wall_s``: the group's wall time shared equally; ``stats`` as ``batched_greedy_generate``'s. Raises
+    ``ValueError`` for bad arguments, a proposer without a batched form or a target whose cache is not plain
+    attention (``batch_support`` tells beforehand)."""
+    from specring.shared.models.target import LayerCapture
+
+    if not prompts:
+        raise ValueError("prompts: none given")
+    for p in prompts:
+        _check_args(p, max_new_tokens)
+    if block_size < 1:
+        raise ValueError(f"block_size: must be >= 1, got {block_size}")
+    batched = batched_proposer(proposer)
+    if batched is None:
+        raise ValueError(f"proposer {getattr(proposer, 'name', type(proposer).__name__)!r} has no batched form")
+    if batched.needs_features and not layer_ids:
+        raise ValueError(f"layer_ids: proposer {batched.name!r} needs target features; no layer ids given")
+    t0 = time.perf_counter()
+    stop = {int(t) for t in stop_token_ids}
+    dev = _device_of(target)
+    prompts = [[int(t) for t in p] for p in prompts]
+    res = [DecodeResult(prompt_len=len(p), tokens=[]) for p in prompts]
+    cache = BatchedTargetCache(target)
+    capture = LayerCapture(target, list(layer_ids)) if batched.needs_features else None
+    with capture if capture is not None else _Null():
+        first, feats = cache.prefill(prompts, capture)
+        batched.reset(prompts)
+        seqs = []
+        for r, (p, lg) in enumerate(zip(prompts, first)):
+            seqs.append(p + [int(lg.argmax())])
+            res[r].tokens.append(seqs[r][-1])
+            res[r].stopped = seqs[r][-1] in stop
+            res[r].target_forwards = 1
+            res[r].cache_rollback = "crop"
+        if feats is not None:
+            batched.add_context(feats, [0] * len(prompts))
+        active = [r for r in range(len(prompts)) if not res[r].stopped and len(res[r].tokens) <= max_new_tokens]
+        cache.select(active)
+        batched.select(active)
+        k = block_size - 1
+        while active:
+            drafts = [[int(t) for t in d][:k] for d in batched.propose([seqs[r] for r in active], k)]
+            m = max(len(d) for d in drafts)
+            ids = torch.tensor([[seqs[r][-1]] + d + [seqs[r][-1]] * (m - len(d)) for r, d in zip(active, drafts)],
+                               dtype=torch.long, device=dev)
+            anchor_pos = [len(seqs[r]) - 1 for r in active]
+            logits, vfeats = cache.verify(ids, torch.tensor(anchor_pos, device=dev), capture)
+            greedy = logits.argmax(dim=-1).tolist()
+            produced, cont = [], []
+            for i, (r, d) in enumerate(zip(active, drafts)):
+                a = 0
+                while a < len(d) and d[a] == greedy[i][a]:
+                    a += 1
+                new, res[r].stopped = _cut_at_stop(d[:a] + [greedy[i][a]], stop)
+                produced.append(len(new))
+                seqs[r] += new
+                res[r].tokens += new
+                res[r].accept_lengths.append(a + 1)
+                res[r].drafted.append(len(d))
+                res[r].target_forwards += 1
+                if not res[r].stopped and len(res[r].tokens) <= max_new_tokens:
+                    cont.append(i)
+            cache.keep(produced)
+            cache.select(cont)
+            batched.select(cont)
+            if vfeats is not None and cont:
+                batched.add_context([vfeats[i, :produced[i]] for i in cont], [anchor_pos[i] for i in cont])
+            active = [active[i] for i in cont]
+    for r in res:
+        r.tokens = r.tokens[:max_new_tokens]
+        r.stopped = bool(r.tokens) and r.tokens[-1] in stop
+    if stats is not None:
+        stats["batch_forwards"] = stats.get("batch_forwards", 0) + cache.forwards
+    _share_wall(res, time.perf_counter() - t0)
+    return res
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+def decode_prompts(target, proposer, prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int,
+                   layer_ids: Sequence[int] | None = None, stop_token_ids: Sequence[int] = (), *,
+                   batch_size: int = 1, sampling: SamplingParams | None = None,
+                   generator: torch.Generator | None = None,
+                   on_done: Callable[[int], None] | None = None) -> tuple[list[DecodeResult], dict[str, Any]]:
+    """Decode ``prompts`` in groups of ``batch_size`` (``batched_speculative_generate``; ``proposer`` None:
+    ``batched_greedy_generate``), or one at a time (``speculative_generate`` / ``greedy_generate``) when
+    ``batch_size`` is 1 or ``batch_support`` refuses (sampling, a hybrid target, a proposer without a batched
+    form). ``on_done(n)`` is called after every ``n`` prompts finished. Returns ``(results in prompt order,
+    info)``: ``info["batched"]`` bool, ``info["batch_size"]`` the prompts decoded together (1 when not
+    batched), ``info["batched_reason"]`` why not (None when batched or ``batch_size`` 1 was asked),
+    ``info["batch_forwards"]`` the target forwards run (batched: one per verify step of a group plus one
+    prefill per prompt; one prompt at a time: the sum of ``target_forwards``). Raises ``ValueError`` for
+    ``batch_size < 1`` and what the decode functions raise."""
+    if int(batch_size) < 1:
+        raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+    reason = None if int(batch_size) == 1 else batch_support(target, proposer, sampling)
+    results: list[DecodeResult] = []
+    if int(batch_size) == 1 or reason is not None:
+        sampled = sampling is not None and not sampling.greedy
+        for p in prompts:
+            if proposer is None:
+                if sampled:
+                    from specring.shared.models.speculative import sample_generate
+                    results.append(sample_generate(target, p, max_new_tokens, sampling, generator, stop_token_ids))
+                else:
+                    results.append(greedy_generate(target, p, max_new_tokens, stop_token_ids))
+            else:
+                results.append(speculative_generate(target, proposer, p, max_new_tokens, block_size, layer_ids,
+                                                    stop_token_ids, sampling=sampling if sampled else None,
+                                                    generator=generator))
+            if on_done is not None:
+                on_done(1)
+        return results, {"batched": False, "batch_size": 1, "batched_reason": reason,
+                         "batch_forwards": sum(r.target_forwards for r in results)}
+    stats: dict[str, int] = {}
+    n = int(batch_size)
+    for lo in range(0, len(prompts), n):
+        group = list(prompts[lo:lo + n])
+        if proposer is None:
+            results += batched_greedy_generate(target, group, max_new_tokens, stop_token_ids, stats)
+        else:
+            results += batched_speculative_generate(target, proposer, group, max_new_tokens, block_size, layer_ids,
+                                                    stop_token_ids, stats)
+        if on_done is not None:
+            on_done(len(group))
+    return results, {"batched": True, "batch_size": min(n, len(prompts)), "batched_reason": None,
+                     "batch_forwards": stats.get("batch_forwards", 0)}
