@@ -135,7 +135,7 @@ def build_model(shape: str, device: torch.device, dtype: torch.dtype, num_layers
 
 
 def make_batches(n: int, batch_size: int, seq_len: int, vocab: int, seed: int = 0) -> list[dict]:
-    """``n`` right-padded batches in ``shared.data.collate``'s form (CPU tensors) plus ``batch_id``."""
+    """``n`` right-padded batches in ``shared.data.dataset.collate``'s form (CPU tensors) plus ``batch_id``."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for k in range(n):

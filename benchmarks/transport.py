@@ -2,8 +2,8 @@
 
 ``python benchmarks/transport.py [--quick]`` measures, in one run, for payloads of 1, 16 and 64 MiB:
 
-* ``ring``: the producer process copies a source tensor into a free slot of a ``shared.ring.Ring``
-  (``shared.layout.write_tensors``), publishes it and sends a ``SlotReady`` over ZeroMQ; the consumer (this
+* ``ring``: the producer process copies a source tensor into a free slot of a ``shared.transport.ring.Ring``
+  (``shared.transport.layout.write_tensors``), publishes it and sends a ``SlotReady`` over ZeroMQ; the consumer (this
   process) verifies the slot header, copies the payload out into its own tensor (what a trainer does before
   releasing) and sends ``SlotReleased``. Credit-based: the producer only writes into released slots.
 * ``zmq-ipc``: the producer sends the source buffer with ``copy=False`` over a PUSH/PULL pair on
@@ -74,7 +74,7 @@ TIMEOUT_S = 60.0
 
 # ---------------------------------------------------------------------------- control channel
 class Channel:
-    """Tiny control messages (``shared.messages`` frames) between the two processes.
+    """Tiny control messages (``shared.transport.messages`` frames) between the two processes.
 
     A ZeroMQ DEALER pair on ``ipc://`` when pyzmq is there, else one end of a ``multiprocessing.Pipe``.
     """

@@ -267,7 +267,7 @@ def stop_and_pad_ids(target: str, trust_remote_code: bool = False) -> tuple[list
 
 def run_shard(backend, ds, jobs: list[Job], st: Settings, stop_ids: list[int], pad_id: int, shard: int,
               progress=None):
-    """Regenerate one shard's jobs; returns a ``shared.prepare.ChunkResult`` with its samples, in job order."""
+    """Regenerate one shard's jobs; returns a ``shared.data.encode.ChunkResult`` with its samples, in job order."""
     from specring.shared.data.encode import _result
     rows: dict[int, list[tuple[np.ndarray, np.ndarray]]] = collections.defaultdict(list)
     # plain text: all prompts of the shard in one generate call

@@ -258,7 +258,7 @@ class Trainer:
         """Train on one packed micro-batch (``hidden [T, n*H]``, ``input_ids [T] int32``, ``loss_mask [T]
         uint8``, ``cu_seqlens [S+1] int32``; with ``label_source="target"`` also ``target_ids [T] int32`` and,
         with ``distill_topk``, ``target_topk_ids``/``target_topk_logprobs [T, K]``; see
-        ``shared.layout.slot_payload_specs``) identified by ``batch_ids``. Tensors may be on the host or the
+        ``shared.transport.layout.slot_payload_specs``) identified by ``batch_ids``. Tensors may be on the host or the
         device; ``checked=True`` says ``check_batch`` already passed (the consumer runs it on the slot's host
         views before the copy).
 

@@ -3,7 +3,7 @@
 ``Producer`` holds no socket and starts no process; ``producers/main.py`` wraps it in the DEALER loop. A
 test steps it in-process with ``run_batch(batch, slot, seq)``, which returns the message to send.
 
-Slot payload: ``shared.layout.slot_payload_specs`` declares it (names, dtypes, shapes, in write order); each
+Slot payload: ``shared.transport.layout.slot_payload_specs`` declares it (names, dtypes, shapes, in write order); each
 tensor starts at a 64-byte aligned offset and the exact offsets, dtypes and shapes travel as
 ``SlotReady.descriptor``. Only real tokens are stored: padding is dropped, and the ``B`` sequences of the batch
 are packed back to back in the order of the lease's ``sample_ids``. ``hidden`` is in the target's dtype
@@ -95,7 +95,7 @@ class Producer:
     Args:
         model: a causal LM from ``load_target`` (eval mode, on ``device``).
         layer_ids: ids to capture (validated with ``resolve_layer_ids``; order = column-block order).
-        ring: this producer's ``shared.ring.Ring`` (attached; pinned by the caller when on CUDA).
+        ring: this producer's ``shared.transport.ring.Ring`` (attached; pinned by the caller when on CUDA).
         generation: this incarnation's generation, written to slot headers and messages.
         device: the device of the model's inputs (its embedding): on a target split over a device group, the
             group's first device, on which the captured layers are gathered before the slot write.
@@ -107,7 +107,7 @@ class Producer:
             Ignored with ``label_source="target"``, which needs the whole forward.
         label_source: ``"data"`` (slots carry the hidden states and tokens) or ``"target"`` (they also
             carry ``target_ids``, the target's greedy next token after every position: final norm, LM head,
-            argmax; ``producers.target.greedy_next_tokens``).
+            argmax; ``shared.models.target.greedy_next_tokens``).
         topk: with ``label_source="target"``, also the target's ``topk`` most likely next tokens and their
             log-probabilities (``target_topk_ids``/``target_topk_logprobs``), for distillation.
 
@@ -152,7 +152,7 @@ class Producer:
         the target is split: ``shared.models.target.load_target``) and build a producer for it.
 
         ``inject_nonfinite`` defaults to ``$SPECRING_INJECT_NONFINITE`` (``shared.faults``). Raises ``ConfigError`` for a bad
-        index, device, checkpoint or layer ids (see ``producers.target``).
+        index, device, checkpoint or layer ids (see ``shared.models.target``).
         """
         if not 0 <= index < len(cfg.devices):
             raise ConfigError(f"producer index {index} has no device: producer.devices has "
@@ -276,7 +276,7 @@ class Producer:
         """Forward ``batch`` and write it into ``slot``; returns ``messages.SlotReady`` or ``messages.BadBatch``.
 
         ``batch``: ``input_ids [B, S]`` int64, ``attention_mask [B, S]`` int64 (right padding),
-        ``loss_mask [B, S]`` uint8, ``lengths [B]`` and ``batch_id`` (as from ``shared.data.collate``).
+        ``loss_mask [B, S]`` uint8, ``lengths [B]`` and ``batch_id`` (as from ``shared.data.dataset.collate``).
         Returns only once the slot is published (or marked EMPTY for a bad batch).
         Raises ``ValueError`` for a malformed batch (shapes, padding), ``SlotError`` for a bad slot index.
         """

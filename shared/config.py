@@ -39,7 +39,7 @@ LABEL_SOURCES = ("target", "data")
 REPORT_BACKENDS = ("tensorboard", "wandb", "mlflow")   # --report-to (supervisor/reporting.py writes them)
 DRAFTERS = DRAFTER_NAMES            # the --drafter choices: every registered family (shared/drafters/__init__.py)
 LOSSES = ("ce", "dpace")
-FUSED_CE = ("auto", "liger", "torch", "off")  # shared.drafters.dflash_blocks.resolve_linear_ce
+FUSED_CE = ("auto", "liger", "torch", "off")  # shared.drafters.linear_ce.resolve_linear_ce
 DEFAULT_EAGLE3_TOPK = 32             # top-K of the target's distribution an EAGLE-3 run learns by default
 
 
@@ -253,7 +253,7 @@ def default_devices() -> tuple[list[str], list[str]]:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    """Where the tokenized data lives and how it is cut into batches (see ``shared.data.BatchPlan``)."""
+    """Where the tokenized data lives and how it is cut into batches (see ``shared.data.dataset.BatchPlan``)."""
     GROUP: ClassVar[str] = "data"
     data: str = setting("", aliases=("--data",), path=True, resume=True, filled_at_start=True,
                         default_text="the demo corpus, prepared on first use",

@@ -14,7 +14,7 @@ child's process group whenever the child has exited, and, being a child subreape
 processes that a supervisor running as a container's pid 1 inherits (only reaped), and the next start or
 ``launch.py clean`` finds what survived a SIGKILLed supervisor (``sweep_run_processes``).
 
-``child_main`` is the template of STYLE.md §8: process title, signal handlers that only set a flag, the
+``child_main`` is the usual template of a long-running child process: process title, signal handlers that only set a flag, the
 body inside try/finally, a fatal error reported to the coordinator before exiting.
 """
 

@@ -1,7 +1,7 @@
 """Who may take the coordinator's time: admission of operator commands, and bounded logging of bad peers.
 
 Anything that can open ``RUN_DIR/coord.sock`` can send frames; none of it may stall the supervisor's loop.
-The supervisor never blocks on a send (``shared.channel``); these classes bound the rest. Both are pure
+The supervisor never blocks on a send (``shared.transport.channel``); these classes bound the rest. Both are pure
 logic with an injectable clock, no sockets.
 
 ``CommandGate`` promises: a peer gets at most ``burst`` commands at once and ``rate_per_s`` per second

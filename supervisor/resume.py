@@ -7,7 +7,7 @@
   in) is refused (two supervisors would share a socket); ``status`` and ``clean`` ask the same lock.
 * A fresh run into a directory that already holds checkpoints is refused (use ``--resume`` or another
   directory) so no earlier result is overwritten.
-* ``--resume``: the trained batch ids come from the latest checkpoint (``consumer.checkpoint``); the
+* ``--resume``: the trained batch ids come from the latest checkpoint (``shared.checkpoint``); the
   trainer drops the ``metrics.jsonl`` records of steps after that checkpoint (their weights were lost),
   so the final ``metrics.jsonl`` lists every batch exactly once.
 * A run knows its data: ``RUN_DIR/data.json`` (``data_record``), written when the run starts without a

@@ -123,7 +123,7 @@ def target_shape(target: str) -> dict:
 
 def slot_bytes_for(max_real_tokens: int, max_batch_size: int, num_layers: int, hidden: int, dtype: torch.dtype,
                    label_source: str = "data", topk: int = 0) -> int:
-    """Bytes of the largest payload (``shared.layout.slot_payload_specs``) with ``hidden`` in ``dtype``,
+    """Bytes of the largest payload (``shared.transport.layout.slot_payload_specs``) with ``hidden`` in ``dtype``,
     rounded up to 4 KiB."""
     specs = layout.slot_payload_specs(max_real_tokens, max_batch_size, num_layers, hidden, dtype, label_source, topk)
     need = layout.payload_bytes(specs)
@@ -181,7 +181,7 @@ def open_dataset(path: str, flag: str, shape: dict):
 
 def check_anchors(ds, flag: str = "--data") -> list[str]:
     """Refuse a dataset none of whose samples can give a DFlash anchor (two adjacent loss-carrying tokens,
-    ``shared.data.has_anchor``): every step would be skipped and the run would train nothing. Raises
+    ``shared.data.dataset.has_anchor``): every step would be skipped and the run would train nothing. Raises
     ``ConfigError`` naming ``flag`` and the first sample (with its source row when recorded); returns a
     note when only some samples lack an anchor."""
     bad = ds.samples_without_anchor()

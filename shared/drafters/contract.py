@@ -103,7 +103,7 @@ class ObjectiveContext:
     warm-up); ``max_mask_elems``: score budget per forward of the grouped forms; ``loss_chunk_rows``: rows of
     ``[rows, V]`` float32 logits alive at once; ``autocast``: the context the forward runs under (bfloat16 on
     CUDA); ``seed``: the run seed (anchors are drawn from ``(seed, batch_ids)``); ``linear_ce``: the fused linear +
-    cross-entropy of ``trainer.fused_ce`` (``shared.drafters.dflash_blocks.resolve_linear_ce``), None for the
+    cross-entropy of ``trainer.fused_ce`` (``shared.drafters.linear_ce.resolve_linear_ce``), None for the
     chunked float32 loss.
     """
     model: nn.Module

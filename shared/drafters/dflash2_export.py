@@ -1,7 +1,7 @@
 """The DFlash2 serving format: export a DFlash2 checkpoint as ``DFlash2DraftModel`` and load an export back.
 
 Format: the public checkpoints and their loaders, z-lab/dflash ``dflash/model.py`` (``DFlash2DraftModel``,
-commit 10129599) with ``tests/fixtures/dflash2-config.json`` and ``tests/fixtures/dflash2-safetensors-header.json``,
+commit 10129599) with that repository's ``dflash:tests/fixtures/dflash2-config.json`` and ``dflash:tests/fixtures/dflash2-safetensors-header.json``,
 and the SGLang (PR #35371) and vLLM (PR #52816) ``DFlash2DraftModel`` loaders; read, not copied.
 
 * ``config.json``: DFlash's (``dflash_export.exported_config``: Qwen3 sizes, ``num_target_layers`` = the target's

@@ -255,7 +255,7 @@ class DFlashConfig(DraftConfigDict):
         """Size a drafter like the target in ``target_dir`` (its ``config.json``).
 
         ``target_layer_ids=None`` -> ``default_target_layer_ids(L, num_target_layers)`` (the producer's
-        ``producers.target`` definitions, so both sides pick and validate the same layers).
+        ``shared.models.target`` definitions, so both sides pick and validate the same layers).
         ``num_draft_layers=None`` -> one draft layer per captured layer. ``mask_token_id=None`` ->
         ``resolve_mask_token_id(target_dir, trust_remote_code)``. ``layer_types``: a list (one per draft layer),
         one string for every layer, or None (all full attention); ``sliding_window``, ``is_causal``: see the

@@ -2,7 +2,7 @@
 
 Every socket is created with ``LINGER`` set (so ``close()`` never hangs on a vanished peer), bounded
 high-water marks, and ``ROUTER_MANDATORY`` on the router (sending to a peer that is gone raises instead of
-silently dropping, and the coordinator logs and carries on). Frames are ``shared.messages`` encodings;
+silently dropping, and the coordinator logs and carries on). Frames are ``shared.transport.messages`` encodings;
 a frame that does not decode is returned as a ``MessageError`` to the caller, who logs it — one bad frame
 never stops a loop.
 

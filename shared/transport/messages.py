@@ -62,7 +62,7 @@ class Lease:
 class SlotReady:
     """Producer → coordinator → consumer: slot ``slot`` of producer ``producer``'s ring holds ``batch_id``.
 
-    ``descriptor`` is a ``shared.layout`` descriptor; ``checksum`` is the payload's CRC32 (0 when
+    ``descriptor`` is a ``shared.transport.layout`` descriptor; ``checksum`` is the payload's CRC32 (0 when
     checksums are off); ``seq`` is the producer's per-ring publication counter.
     """
     KIND: ClassVar[str] = "slot_ready"

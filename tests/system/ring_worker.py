@@ -2,7 +2,7 @@
 
 Run as ``python ring_worker.py <role> [options]`` (subprocess) or import a role function as the target of
 a ``multiprocessing`` 'spawn' process. Every role attaches to (or creates) a real ring in /dev/shm and
-talks to its peer over a real ZeroMQ DEALER socket (``ipc://``) with ``shared.messages`` frames.
+talks to its peer over a real ZeroMQ DEALER socket (``ipc://``) with ``shared.transport.messages`` frames.
 
 Roles:
 
@@ -95,7 +95,7 @@ def sample_tensor(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:
 
 
 def sample_tensors(seed: int) -> dict[str, torch.Tensor]:
-    """Every dtype ``shared.layout`` supports (bfloat16 included) in every shape of ``SHAPES``."""
+    """Every dtype ``shared.transport.layout`` supports (bfloat16 included) in every shape of ``SHAPES``."""
     return {f"{name}{list(shape)}": sample_tensor(dtype, shape, seed * 7919 + 100 * i + j)
             for j, (name, dtype) in enumerate(layout.DTYPES.items())
             for i, shape in enumerate(SHAPES)}

@@ -2,7 +2,7 @@
 
 The children are tests/system/ring_worker.py, started with ``subprocess`` (a fresh interpreter) or with
 ``multiprocessing`` 'spawn' (which also starts a resource tracker: the case that unlinks segments behind
-one's back when ``SharedMemory`` is used to attach). Control messages are ``shared.messages`` frames over
+one's back when ``SharedMemory`` is used to attach). Control messages are ``shared.transport.messages`` frames over
 DEALER sockets on ``ipc://`` files in a temporary directory.
 
 Every test has a timeout, kills its children and removes its segments in ``finally``, and fails if a

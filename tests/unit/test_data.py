@@ -1,4 +1,4 @@
-"""Unit tests of shared/data.py: the memory-mapped TokenDataset, the BatchPlan and collate."""
+"""Unit tests of shared/data/dataset.py: the memory-mapped TokenDataset, the BatchPlan and collate."""
 
 from __future__ import annotations
 

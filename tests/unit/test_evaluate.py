@@ -1,6 +1,6 @@
 """Speculative decoding and τ (shared/models/speculative.py, shared/models/ngram.py) on the fixture target, fp32 CPU.
 
-Prompts are held-out stdlib code (files the fixture never trained on, by ``shared.prepare.is_heldout``),
+Prompts are held-out stdlib code (files the fixture never trained on, by ``shared.data.demo.is_heldout``),
 tokenized here so the tests need no prepared demo corpus.
 """
 

@@ -1,4 +1,4 @@
-"""Unit tests of shared/layout.py: named tensors written into, and read back (as views) from, a slot buffer.
+"""Unit tests of shared/transport/layout.py: named tensors written into, and read back (as views) from, a slot buffer.
 
 No processes, no shared memory: the "slot" is an ordinary 1-D uint8 tensor here (tests/system does the
 same through a real ring across a spawned process).

@@ -1,4 +1,4 @@
-"""Unit tests of shared/prepare.py: chat rendering and its loss mask, bad-row accounting, --strict,
+"""Unit tests of cli/prepare.py and shared/data/encode.py: chat rendering and its loss mask, bad-row accounting, --strict,
 length limits, input kinds, and the demo corpus (on a few stdlib files)."""
 
 from __future__ import annotations

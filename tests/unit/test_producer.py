@@ -43,7 +43,7 @@ def sequences(lengths, seed=0):
 
 
 def make_batch(seqs, pad_to, batch_id, loss_seed=1):
-    """Right-padded batch in the shape of shared.data.collate's output, plus the batch id."""
+    """Right-padded batch in the shape of shared.data.dataset.collate's output, plus the batch id."""
     b = len(seqs)
     g = torch.Generator().manual_seed(loss_seed)
     ids = torch.full((b, pad_to), PAD, dtype=torch.int64)

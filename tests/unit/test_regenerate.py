@@ -1,4 +1,4 @@
-"""``launch.py regenerate`` (shared/regenerate.py): the target's own text replaces the data, resumably."""
+"""``launch.py regenerate`` (cli/regenerate.py): the target's own text replaces the data, resumably."""
 
 from __future__ import annotations
 

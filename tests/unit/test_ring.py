@@ -1,4 +1,4 @@
-"""Unit tests of shared/ring.py in one process: segment layout, slot protocol, errors, sweeping.
+"""Unit tests of shared/transport/ring.py in one process: segment layout, slot protocol, errors, sweeping.
 
 Real segments in /dev/shm, but no child processes (tests/system covers attach/kill across processes). Two
 mappings of one segment in this process (``create`` + ``attach``) stand in for two processes: they share

@@ -1,4 +1,4 @@
-"""Unit tests of producers/target.py: layer ids, device and checkpoint validation, forward-hook capture.
+"""Unit tests of shared/models/target.py: layer ids, device and checkpoint validation, forward-hook capture.
 
 The capture tests use the fixture target (assets/tiny-code-lm: Qwen3, 8 layers, H = 256) on the CPU in
 float32, and compare against Hugging Face's own ``output_hidden_states``.

@@ -1,4 +1,4 @@
-"""The DFlash Trainer in-process (consumer/trainer.py, consumer/checkpoint.py): steps, accumulation, the
+"""The DFlash Trainer in-process (consumer/trainer.py, shared/checkpoint.py): steps, accumulation, the
 normaliser, non-finite handling, checkpoints and resume, and learning on the fixture + demo corpus."""
 
 import functools
