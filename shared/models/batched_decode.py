@@ -43,6 +43,7 @@ What is batched (``batch_support``; anything else decodes one prompt at a time, 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -667,7 +668,7 @@ def batched_speculative_generate(target, proposer, prompts: Sequence[Sequence[in
     res = [DecodeResult(prompt_len=len(p), tokens=[]) for p in prompts]
     cache = BatchedTargetCache(target)
     capture = LayerCapture(target, list(layer_ids)) if batched.needs_features else None
-    with capture if capture is not None else _Null():
+    with capture if capture is not None else contextlib.nullcontext():
         first, feats = cache.prefill(prompts, capture)
         batched.reset(prompts)
         seqs = []
@@ -718,14 +719,6 @@ def batched_speculative_generate(target, proposer, prompts: Sequence[Sequence[in
         stats["batch_forwards"] = stats.get("batch_forwards", 0) + cache.forwards
     _share_wall(res, time.perf_counter() - t0)
     return res
-
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 def decode_prompts(target, proposer, prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int,

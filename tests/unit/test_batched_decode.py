@@ -205,9 +205,21 @@ def test_what_is_not_batched_falls_back_and_says_why(target, prompts):
         decode_prompts(target, None, prompts, 8, 4, batch_size=0)
 
 
-def test_a_hybrid_target_is_not_batched():
+def test_a_moe_target_is_batched_and_hybrid_or_sliding_ones_are_not():
+    """A mixture-of-experts target has plain attention caches: batched, equal; linear-attention (Qwen3-Next) and
+    sliding-window layers are refused by name (``decode_prompts`` then decodes one prompt at a time)."""
     from tests.support import tiny_target
+    moe = tiny_target("qwen3_moe", vocab_size=512)
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randint(4, 512, (n,), generator=g).tolist() for n in (9, 14, 5)]
+    assert batch_support(moe, PromptLookupProposer(2)) is None
+    single = [speculative_generate(moe, PromptLookupProposer(2), p, 24, 6) for p in ps]
+    assert_same(batched_speculative_generate(moe, PromptLookupProposer(2), ps, 24, 6), single)
+    assert_same(batched_greedy_generate(moe, ps, 24), [greedy_generate(moe, p, 24) for p in ps])
     hybrid = tiny_target("qwen3_next", vocab_size=512)
     assert "linear-attention" in batch_support(hybrid, None)
+    res, info = decode_prompts(hybrid, None, ps[:1], 4, 4, batch_size=4)
+    assert not info["batched"] and "linear-attention" in info["batched_reason"]
+    assert res[0].tokens == greedy_generate(hybrid, ps[0], 4).tokens
     sliding = tiny_target("qwen3_sliding", vocab_size=512)
     assert "Sliding" in batch_support(sliding, None)
