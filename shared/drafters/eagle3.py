@@ -41,6 +41,9 @@ class Eagle3Family(DrafterFamily):
     uses_flex_attention: ClassVar[bool] = False
     needs_anchors: ClassVar[bool] = False
     drafts_chain: ClassVar[bool] = True
+    #: the TTT loss ``objective`` calls (``eagle3_ttt.eagle3_loss``); ``benchmarks/eagle3_step.py`` swaps in the
+    #: unbatched reference to time the old step beside the new one
+    ttt_loss: ClassVar = staticmethod(eagle3_loss)
 
     # ------------------------------------------------------------------ configuration
     def config_from_run(self, run) -> Eagle3Config:
@@ -93,6 +96,7 @@ class Eagle3Family(DrafterFamily):
         return model
 
     def compiled_modules(self, model):
+        """The layer: its ``forward`` is one whole TTT step (``Eagle3Layer.forward``), called ``K`` times a batch."""
         return [model.midlayer]
 
     def num_positions(self, dcfg, tcfg) -> int:
@@ -114,8 +118,8 @@ class Eagle3Family(DrafterFamily):
         stats = StepStats(self.stats_layout(ctx.dcfg, ctx.tcfg), ctx.device)
         stats["num_tokens"] += t
         with ctx.autocast:
-            loss, wsum, correct, counted, accept, npos = eagle3_loss(ctx.model, on_dev, cu_cpu, ctx.tcfg.label_source,
-                                                                     backward)
+            loss, wsum, correct, counted, accept, npos = self.ttt_loss(ctx.model, on_dev, cu_cpu,
+                                                                       ctx.tcfg.label_source, backward)
         finite = torch.isfinite(loss)
         stats["loss_sum"] += torch.where(finite, loss, 0.0).double()
         stats["weight_sum"] += wsum.double()

@@ -25,78 +25,76 @@ its number of leading correct steps.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from specring.shared.models.eagle3 import Eagle3Drafter, draft_to_target, target_to_draft
+from specring.shared.drafters.dflash_blocks import to_device
+from specring.shared.models.eagle3 import Eagle3Drafter, PaddedLayout, draft_to_target, target_to_draft
 
 
 def ttt_inputs(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, steps: int):
-    """Per-step inputs of a packed batch: ``(step_ids [K] of [T] long, pred_pos [K, T] long, inside [K, T] bool,
+    """Per-step inputs of a packed batch: ``(step_ids [K, T] long, pred_pos [K, T] long, inside [K, T] bool,
     positions [T] long)``: the token each position reads at step ``k`` (``x[t+1+k]``; 0 where that runs past the
     sequence), the packed position of the token step ``k`` predicts (``t+2+k``, clamped), whether it exists in
-    the same sequence, and each token's position inside its sequence."""
+    the same sequence, and each token's position inside its sequence. All steps at once, on ``input_ids``'s
+    device (``cu_seqlens`` on the host is copied without a synchronisation)."""
     dev = input_ids.device
     t = input_ids.shape[0]
-    cu = cu_seqlens.to(dev).long()
+    cu = to_device(cu_seqlens.long(), dev)
     idx = torch.arange(t, device=dev)
     seq = torch.searchsorted(cu[1:], idx, right=True)
     end = cu[seq + 1]
     positions = idx - cu[seq]
     ids = input_ids.long()
-    step_ids, pred, inside = [], [], []
-    for k in range(steps):
-        read = idx + 1 + k
-        step_ids.append(torch.where(read < end, ids[read.clamp(max=t - 1)], torch.zeros_like(ids)))
-        p = idx + 2 + k
-        pred.append(p.clamp(max=t - 1))
-        inside.append(p < end)
-    return step_ids, torch.stack(pred), torch.stack(inside), positions
+    ks = torch.arange(steps, device=dev)[:, None]
+    read = idx[None] + 1 + ks                                                   # [K, T]
+    step_ids = torch.where(read < end, ids[read.clamp(max=t - 1)], torch.zeros_like(read))
+    p = idx[None] + 2 + ks
+    return step_ids, p.clamp(max=t - 1), p < end, positions
 
 
 def eagle3_loss(model: Eagle3Drafter, batch: dict[str, torch.Tensor], cu_cpu: torch.Tensor, label_source: str,
-                backward: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                backward: bool) -> tuple[torch.Tensor, ...]:
     """Forward (+ backward) of one micro-batch; returns ``(weighted_loss, weight_sum, correct [K], counted [K],
     accept_sum, num_positions)`` (device tensors; the loss detached after backward).
 
     ``batch``: ``hidden [T, 3*Ht]``, ``input_ids [T]``, ``loss_mask [T]`` and, for ``label_source="target"``,
-    ``target_ids [T]`` (optionally ``target_topk_ids``/``target_topk_logprobs [T, K']``), on the model's device.
+    ``target_ids [T]`` (optionally ``target_topk_ids``/``target_topk_logprobs [T, K']``), on the model's device;
+    ``cu_cpu [S+1]`` on the host. Raises ``ValueError`` for an empty batch.
+
+    Batched over the TTT steps wherever they do not depend on each other: the labels, masks and renormalised
+    top-K soft targets are built once for all positions and gathered per step, the LM head, log-softmax, loss
+    and statistics run once over ``[K, T]``; the layer steps run in ``Eagle3Drafter.ttt_forward``. No host
+    synchronisation and no data-dependent shapes (index gathers, no boolean-mask indexing). The loss, its
+    gradients and the statistics equal the step-by-step ``eagle3_ttt_reference.reference_eagle3_loss``
+    (``tests/unit/test_eagle3_batched.py``).
     """
     cfg = model.config
+    dev = batch["input_ids"].device
     ids, lm = batch["input_ids"].long(), batch["loss_mask"].bool()
-    step_ids, pred, inside, positions = ttt_inputs(ids, cu_cpu, cfg.ttt_steps)
-    outs = model.ttt_forward(step_ids, positions, cu_cpu, batch["hidden"])
+    step_ids, pred, inside, _ = ttt_inputs(ids, cu_cpu, cfg.ttt_steps)
+    outs = model.ttt_forward(step_ids, cu_cpu, batch["hidden"], PaddedLayout.of(cu_cpu, dev))   # [K, T, H]
     d2t_full = draft_to_target(model.d2t)
     t2d_index = target_to_draft(model.d2t, cfg.vocab_size)
-    topk = "target_topk_ids" in batch and label_source == "target"
-    total = torch.zeros((), dtype=torch.float32, device=ids.device)
-    weight_sum = torch.zeros((), dtype=torch.float32, device=ids.device)
-    hits = []
-    valids = []
-    for k, h in enumerate(outs):
-        valid = inside[k] & lm[pred[k]]
-        src = pred[k] - 1                                                   # the position whose next token is predicted
-        label = batch["target_ids"].long()[src] if label_source == "target" else ids[pred[k]]
-        draft_label = t2d_index[label]
-        carries = valid & (draft_label >= 0)
-        w = float(cfg.ttt_decay ** k)
-        logq = torch.log_softmax(model.logits(h).float(), dim=-1)          # [T, Vd]
-        if topk:
-            tk = t2d_index[batch["target_topk_ids"].long()[src]]            # [T, K'] draft ids or -1
-            lp = batch["target_topk_logprobs"].float()[src].masked_fill(tk < 0, float("-inf"))
-            p = torch.softmax(lp, dim=-1).nan_to_num(0.0)                  # renormalised over the draft vocabulary
-            ce = -(p * logq.gather(1, tk.clamp(min=0))).sum(-1)
-        else:
-            ce = F.nll_loss(logq, draft_label.clamp(min=0), reduction="none")
-        total = total + w * (ce * carries).sum()
-        weight_sum = weight_sum + w * carries.sum()
-        hits.append((d2t_full[logq.argmax(-1)] == label) & valid)
-        valids.append(valid)
+    src = pred - 1                                                      # the position whose next token is predicted
+    label = batch["target_ids"].long()[src] if label_source == "target" else ids[pred]       # [K, T]
+    draft_label = t2d_index[label]
+    valid = inside & lm[pred]
+    carries = valid & (draft_label >= 0)
+    logq = torch.log_softmax(model.logits(outs).float(), dim=-1)       # [K, T, Vd]
+    if "target_topk_ids" in batch and label_source == "target":
+        tk = t2d_index[batch["target_topk_ids"].long()]                 # [T, K'] draft ids or -1
+        lp = batch["target_topk_logprobs"].float().masked_fill(tk < 0, float("-inf"))
+        p = torch.softmax(lp, dim=-1).nan_to_num(0.0)                  # renormalised over the draft vocabulary
+        ce = -(p[src] * logq.gather(-1, tk.clamp(min=0)[src])).sum(-1)  # [K, T]
+    else:
+        ce = -logq.gather(-1, draft_label.clamp(min=0)[..., None])[..., 0]
+    w = (cfg.ttt_decay ** torch.arange(cfg.ttt_steps, device=dev, dtype=torch.float64)).float()    # decay**k
+    total = (w * (ce * carries).sum(-1)).sum()
+    weight_sum = (w * carries.sum(-1)).sum()
     if backward:
         total.backward()
         total = total.detach()
-    hit = torch.stack(hits, 1)                                              # [T, K]
-    val = torch.stack(valids, 1)
-    lead = torch.cumprod(hit.long(), dim=1).sum(1)
-    counted0 = val[:, 0]
-    return (total, weight_sum, hit.long().sum(0), val.long().sum(0), ((lead + 1).float() * counted0).sum(),
+    hit = (d2t_full[logq.detach().argmax(-1)] == label) & valid        # [K, T]
+    lead = torch.cumprod(hit.long(), dim=0).sum(0)
+    counted0 = valid[0]
+    return (total, weight_sum, hit.long().sum(1), valid.long().sum(1), ((lead + 1).float() * counted0).sum(),
             counted0.sum())

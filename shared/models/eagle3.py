@@ -185,6 +185,72 @@ def eagle3_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, mask0:
     return out.reshape(hq, tq, d).to(q.dtype)
 
 
+
+def padded_eagle3_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, blocked: torch.Tensor,
+                            diag_k: torch.Tensor | None = None, diag_v: torch.Tensor | None = None,
+                            used: torch.Tensor | None = None) -> torch.Tensor:
+    """``eagle3_attention`` for ``S`` padded sequences at once: ``q [S, Hq, L, D]`` over the step-0 keys ``k0/v0
+    [S, Hkv, L, D]`` except where ``blocked [L, L]`` (True: the key comes after the query), plus the keys
+    ``diag_k/diag_v [S, Hkv, L, n, D]`` of the query's own position where ``used [n]`` (bool) is True (None:
+    none). One softmax over the ``L + n`` scores, computed with the operations of ``eagle3_attention`` (so with
+    its precision under autocast); a blocked or unused key gets probability exactly 0. Returns ``[S, Hq, L, D]``
+    in ``q``'s dtype. A query row always keeps its own step-0 key, so padding rows (whatever they hold) stay
+    finite; real rows never see them (the keys after a real query are blocked)."""
+    s, hq, length, d = q.shape
+    hkv = k0.shape[1]
+    g = hq // hkv
+    scale = d ** -0.5
+    qf = q.reshape(s, hkv, g * length, d).float()
+    s0 = (torch.matmul(qf, k0.float().transpose(-1, -2)) * scale).view(s, hkv, g, length, length)
+    s0 = s0.masked_fill(blocked, float("-inf"))
+    if diag_k is None:
+        p = torch.softmax(s0, dim=-1)
+        out = torch.matmul(p.view(s, hkv, g * length, length), v0.float())
+        return out.reshape(s, hq, length, d).to(q.dtype)
+    sd = torch.einsum("shgld,shlnd->shgln", qf.view(s, hkv, g, length, d), diag_k.float()) * scale
+    sd = sd.masked_fill(~used, float("-inf"))
+    p = torch.softmax(torch.cat([s0, sd], dim=-1), dim=-1)
+    out = torch.matmul(p[..., :length].reshape(s, hkv, g * length, length), v0.float()).view(s, hkv, g, length, d)
+    out = out + (p[..., length:, None] * diag_v.float()[:, :, None]).sum(-2)
+    return out.reshape(s, hq, length, d).to(q.dtype)
+
+
+@dataclass
+class PaddedLayout:
+    """A packed batch (``T`` tokens, ``cu_seqlens [S+1]``) as ``S`` rows of ``L`` positions (``L`` the longest
+    sequence), the layout in which ``Eagle3Drafter.ttt_forward`` runs TTT: one attention call per step for the
+    whole batch. ``gather [S*L] long``: the packed row each padded row reads (``cu[s] + j``, clamped to ``T-1``;
+    padding rows read some real row and are never read back); ``scatter [T] long``: the padded row of each
+    packed token (``s*L + position``); ``blocked [L, L] bool``: the causal mask's complement. Device tensors;
+    ``S``/``L`` host ints (from the host ``cu_seqlens``: no synchronisation). The batch plan keeps ``S*L`` within
+    ``max_tokens`` (``shared/data/dataset.py``), so padding costs at most what the plan already budgets."""
+    num_seqs: int
+    length: int
+    gather: torch.Tensor
+    scatter: torch.Tensor
+    blocked: torch.Tensor
+
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor, device: torch.device | str) -> "PaddedLayout":
+        """From ``cu_seqlens [S+1]`` (host tensor, else one device-to-host copy). Raises ``ValueError`` for an
+        empty batch (``T == 0``)."""
+        cu_host = cu_seqlens.detach().cpu().long()
+        bounds = cu_host.tolist()                                 # host ints (no scalar reads of a tensor)
+        t, s = bounds[-1], len(bounds) - 1
+        if t < 1 or s < 1:
+            raise ValueError(f"cu_seqlens: TTT needs at least one token, got {bounds}")
+        length = max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+        # through pinned memory: a pageable host-to-device copy would wait for every kernel queued before it
+        cu = cu_host.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else cu_host
+        j = torch.arange(length, device=device)
+        gather = (cu[:-1, None] + j[None]).clamp(max=t - 1).reshape(-1)
+        idx = torch.arange(t, device=device)
+        seq = torch.searchsorted(cu[1:], idx, right=True)
+        scatter = seq * length + idx - cu[seq]
+        blocked = torch.ones(length, length, dtype=torch.bool, device=device).triu(1)
+        return cls(s, length, gather, scatter, blocked)
+
+
 class Eagle3Attention(nn.Module):
     """Llama-style attention whose q/k/v read the ``2H`` input (no bias, no q/k norms)."""
 
@@ -230,6 +296,47 @@ class Eagle3Layer(nn.Module):
         """``h + o_proj(attn)``, then the MLP block: the pre-norm output ``[T, H]``."""
         h = h + self.self_attn.out(attn)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, emb_n: torch.Tensor, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                blocked: torch.Tensor, slot: torch.Tensor, used: torch.Tensor, k0: torch.Tensor | None = None,
+                v0: torch.Tensor | None = None, diag_k: torch.Tensor | None = None,
+                diag_v: torch.Tensor | None = None):
+        """One TTT step over a padded batch (``PaddedLayout``: ``S`` sequences of ``L`` positions, rows flattened,
+        ``N = S*L``); what ``torch.compile`` compiles (``Eagle3Family.compiled_modules``).
+
+        ``emb_n [N, H]``: ``input_layernorm`` of the embeddings of the tokens read at this step; ``h [N, H]``:
+        the previous step's pre-norm output (step 0: ``fc`` of the features); ``cos``/``sin [L, D]`` float32:
+        RoPE of positions ``j + k``; ``blocked [L, L]`` bool; ``slot``/``used [K-1]`` bool: the diagonal slot
+        this step's keys go to (``k-1``) and the slots filled once they are in (``< k``). State (None at step
+        0): ``k0``/``v0 [S, Hkv, L, D]`` the step-0 keys/values, ``diag_k``/``diag_v [S, Hkv, L, K-1, D]`` the
+        keys/values of steps ``1..K-1`` at each position (zeros in the slots not filled yet). Returns
+        ``(h' [N, H], k0, v0, diag_k, diag_v)``: the pre-norm output and the state with this step's keys in
+        (step 0: as ``k0``/``v0``; later: in ``slot``), ready for the next step.
+
+        The state has the same shapes at every step (slots, not a growing list), so ``torch.compile(dynamic=
+        True)`` makes two graphs, step 0 and the others, for any ``K`` and any batch shape (one-sequence
+        batches add their own two)."""
+        attn = self.self_attn
+        n_rows, length = h.shape[0], blocked.shape[0]
+        s = n_rows // length
+        x2 = torch.cat([emb_n, self.hidden_norm(h)], dim=-1)
+        q = attn.q_proj(x2).view(s, length, attn.num_heads, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(x2).view(s, length, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        v = attn.v_proj(x2).view(s, length, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if k0 is None:
+            k0, v0 = k, v
+            o = padded_eagle3_attention(q, k0, v0, blocked)
+            # zeros in the slots, computed from k/v so that they require grad as the later steps' states do
+            # (one compiled graph for steps 1..K-1, not one for step 1 and another for the rest)
+            diag_k = k[..., None, :].expand(*k.shape[:3], used.shape[0], k.shape[3]) * 0
+            diag_v = v[..., None, :].expand(*v.shape[:3], used.shape[0], v.shape[3]) * 0
+        else:
+            diag_k = torch.where(slot[:, None], k[..., None, :], diag_k)
+            diag_v = torch.where(slot[:, None], v[..., None, :], diag_v)
+            o = padded_eagle3_attention(q, k0, v0, blocked, diag_k, diag_v, used)
+        h = h + attn.o_proj(o.transpose(1, 2).reshape(n_rows, attn.num_heads * attn.head_dim))
+        return h + self.mlp(self.post_attention_layernorm(h)), k0, v0, diag_k, diag_v
 
 
 class Eagle3Drafter(nn.Module):
@@ -282,8 +389,8 @@ class Eagle3Drafter(nn.Module):
         mine = self.trainable_state_dict()
         have = {k: v for k, v in tensors.items() if k != "embed_tokens.weight"}
         if set(have) != set(mine):
-            raise ValueError(f"{source}: weights do not match the EAGLE-3 config: missing {sorted(set(mine) - set(have))}, "
-                             f"unexpected {sorted(set(have) - set(mine))}")
+            raise ValueError(f"{source}: weights do not match the EAGLE-3 config: missing "
+                             f"{sorted(set(mine) - set(have))}, unexpected {sorted(set(have) - set(mine))}")
         self.set_draft_vocab(have["d2t"], have["t2d"])
         with torch.no_grad():
             for name, p in self.named_parameters():
@@ -330,35 +437,40 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(h))
 
     # ------------------------------------------------------------------ training
-    def ttt_forward(self, step_ids: list[torch.Tensor], positions: torch.Tensor, cu_seqlens: torch.Tensor,
-                    features: torch.Tensor) -> list[torch.Tensor]:
-        """Training-time test over a packed batch: one pre-norm output ``[T, H]`` per step.
+    def ttt_forward(self, step_ids: torch.Tensor | list[torch.Tensor], cu_seqlens: torch.Tensor,
+                    features: torch.Tensor, layout: PaddedLayout | None = None) -> torch.Tensor:
+        """Training-time test over a packed batch: the pre-norm outputs ``[K, T, H]`` of the ``K`` steps.
 
-        ``step_ids[k] [T] long``: the token each position reads at step ``k`` (``x[t+1+k]``, anything where
-        that runs past its sequence: those positions carry no loss); ``positions [T]``: positions inside the
-        sequences; ``cu_seqlens [S+1]`` (host or device); ``features [T, 3*Ht]``. Attention per sequence:
-        step-0 keys causally, later steps' keys on the diagonal (``eagle3_attention``).
+        ``step_ids [K, T] long`` (or a list of ``K`` ``[T]``): the token each position reads at step ``k``
+        (``x[t+1+k]``, anything where that runs past its sequence: those positions carry no loss);
+        ``cu_seqlens [S+1]`` (host, else one synchronisation); ``features [T, 3*Ht]``; ``layout``: the batch's
+        ``PaddedLayout`` (built here when None). Attention per sequence: step-0 keys causally, later steps' keys
+        on the diagonal (``padded_eagle3_attention``).
+
+        Batched where the algorithm allows (step ``k`` needs step ``k-1``'s output, so the steps themselves
+        stay a loop of ``K`` layer calls, as in SpecForge ``specforge/core/eagle3.py``, which caches each step's
+        keys): every sequence in one call per step (``PaddedLayout``), the embeddings and ``input_layernorm``
+        of all steps in one call, one RoPE table for all steps, no host synchronisation. Equal to the
+        sequence-by-sequence ``eagle3_ttt_reference.reference_ttt_forward`` (``tests/unit/test_eagle3_batched.py``).
         """
-        cu = [int(x) for x in cu_seqlens.tolist()]
-        h = self.fuse(features)
-        keys: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(len(cu) - 1)]
+        steps = torch.stack(list(step_ids)) if isinstance(step_ids, (list, tuple)) else step_ids
+        lay = layout if layout is not None else PaddedLayout.of(cu_seqlens, features.device)
+        h = self.fuse(features)[lay.gather]                                      # [S*L, H]
+        emb_n = self.midlayer.input_layernorm(self.embed(steps[:, lay.gather]))  # [K, S*L, H]
+        num_steps, length = steps.shape[0], lay.length
+        cos, sin = self.rope(torch.arange(length + num_steps - 1, device=features.device))
+        slots = torch.arange(num_steps - 1, device=features.device)
+        ks = torch.arange(num_steps, device=features.device)[:, None]
+        slot, used = slots == ks - 1, slots < ks                                # [K, K-1] each: row k for step k
+        state: tuple = (None, None, None, None)
         outs = []
-        for k, ids in enumerate(step_ids):
-            cos, sin = self.rope(positions + k)
-            q, kk, vv = self.midlayer.qkv(self.embed(ids), h, cos, sin)
-            parts = []
-            for s in range(len(cu) - 1):
-                a, b = cu[s], cu[s + 1]
-                if a == b:
-                    continue
-                keys[s].append((kk[:, a:b], vv[:, a:b]))
-                k0, v0 = keys[s][0]
-                causal = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
-                parts.append(eagle3_attention(q[:, a:b], k0, v0, causal, [x[0] for x in keys[s][1:]],
-                                              [x[1] for x in keys[s][1:]]))
-            h = self.midlayer.finish(h, torch.cat(parts, dim=1))
+        for k in range(num_steps):
+            # copies, not views: an input's storage offset would become a symbol of the compiled step (and a
+            # recompile whenever it happens to equal a size)
+            h, *state = self.midlayer(emb_n[k].clone(), h, cos[k:k + length].clone(), sin[k:k + length].clone(),
+                                      lay.blocked, slot[k].clone(), used[k].clone(), *state)
             outs.append(h)
-        return outs
+        return torch.stack(outs)[:, lay.scatter]
 
 
 @dataclass

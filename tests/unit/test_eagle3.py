@@ -79,12 +79,12 @@ def test_training_time_test_equals_chain_drafting_at_inference():
     c1, o1 = eagle3_extend(model, None, feats[:3], x[1:4], torch.arange(3))
     c2, o2 = eagle3_extend(model, c1, feats[3:p + 1], x[4:p + 2], torch.arange(3, p + 1))
     assert torch.allclose(torch.cat([o1, o2]), out, atol=1e-10) and torch.allclose(c2.keys, cache.keys, atol=1e-10)
-    step_ids, _, _, positions = ttt_inputs(x, torch.tensor([0, n]), k)
+    step_ids = ttt_inputs(x, torch.tensor([0, n]), k)[0]
     for j in range(1, k):
         step_ids[j] = step_ids[j].clone()
         step_ids[j][p] = tokens[j - 1]
     with torch.no_grad():
-        outs = model.ttt_forward(step_ids, positions, torch.tensor([0, n]), feats)
+        outs = model.ttt_forward(step_ids, torch.tensor([0, n]), feats)
     assert torch.allclose(outs[0][:p + 1], out, atol=1e-10)
     for j in range(1, k):
         assert torch.allclose(outs[j][p], hiddens[j - 1], atol=1e-10), f"step {j}"
@@ -97,9 +97,8 @@ def test_sequences_of_a_packed_batch_do_not_see_each_other():
     feats = torch.randn(15, 72, generator=g, dtype=torch.float64)
     cu = torch.tensor([0, 6, 15])
     with torch.no_grad():
-        packed = model.ttt_forward(ttt_inputs(x, cu, 3)[0], ttt_inputs(x, cu, 3)[3], cu, feats)
-        alone = model.ttt_forward(ttt_inputs(x[6:], torch.tensor([0, 9]), 3)[0], torch.arange(9),
-                                  torch.tensor([0, 9]), feats[6:])
+        packed = model.ttt_forward(ttt_inputs(x, cu, 3)[0], cu, feats)
+        alone = model.ttt_forward(ttt_inputs(x[6:], torch.tensor([0, 9]), 3)[0], torch.tensor([0, 9]), feats[6:])
     for a, b in zip(packed, alone):
         # the second sequence's last positions read past its end (token 0 in both): equal everywhere
         assert torch.allclose(a[6:], b, atol=1e-10)
