@@ -24,12 +24,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
+from specring.shared import envs
 from specring.shared.drafters import DEFAULT_FAMILY
 from specring.shared.drafters import NAMES as DRAFTER_NAMES
 from specring.shared.errors import ConfigError
@@ -507,20 +507,19 @@ def node_env() -> dict[str, Any]:
     torchrun's own (one process per node, ``--nproc-per-node 1``: ``GROUP_WORLD_SIZE``/``WORLD_SIZE`` nodes,
     ``GROUP_RANK``/``RANK`` this node). Empty when neither ``NNODES`` nor torchrun's ``TORCHELASTIC_RUN_ID`` is
     set (``MASTER_ADDR`` alone is no multi-node run: specring sets it for its own consumers)."""
-    env = os.environ
     out: dict[str, Any] = {}
-    if "NNODES" in env:
-        out["nnodes"] = env["NNODES"]
-        out["node_rank"] = env.get("NODE_RANK", "0")
-    elif "TORCHELASTIC_RUN_ID" in env:
-        out["nnodes"] = env.get("GROUP_WORLD_SIZE") or env.get("WORLD_SIZE", "1")
-        out["node_rank"] = env.get("GROUP_RANK") or env.get("RANK", "0")
+    if envs.is_set("NNODES"):
+        out["nnodes"] = envs.get("NNODES")
+        out["node_rank"] = envs.get("NODE_RANK", "0")
+    elif envs.is_set("TORCHELASTIC_RUN_ID"):
+        out["nnodes"] = envs.get("GROUP_WORLD_SIZE") or envs.get("WORLD_SIZE", "1")
+        out["node_rank"] = envs.get("GROUP_RANK") or envs.get("RANK", "0")
     else:
         return out
-    if "MASTER_ADDR" in env:
-        out["master_addr"] = env["MASTER_ADDR"]
-    if "MASTER_PORT" in env:
-        out["master_port"] = env["MASTER_PORT"]
+    if envs.is_set("MASTER_ADDR"):
+        out["master_addr"] = envs.get("MASTER_ADDR")
+    if envs.is_set("MASTER_PORT"):
+        out["master_port"] = envs.get("MASTER_PORT")
     try:
         for k in ("nnodes", "node_rank", "master_port"):
             if k in out:

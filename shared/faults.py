@@ -41,33 +41,30 @@ does not parse is a ``ConfigError`` naming the variable. The hooks:
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import threading
 import time
 
+from specring.shared import envs
 from specring.shared.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-HELPERS_ENV = "SPECRING_FAULT_HELPERS"
-SLOW_FORWARD_ENV = "SPECRING_SLOW_FORWARD_S"
-STALL_FORWARD_ENV = "SPECRING_STALL_FORWARD"
-SLOW_WRITE_ENV = "SPECRING_SLOW_WRITE_S"
-INJECT_NONFINITE_ENV = "SPECRING_INJECT_NONFINITE"
-SLOW_CHECKPOINT_ENV = "SPECRING_SLOW_CHECKPOINT_S"
-SLOW_EVAL_ENV = "SPECRING_SLOW_EVAL_S"
-FAIL_EVAL_ENV = "SPECRING_FAIL_EVAL"
-SLOW_SHARD_ENV = "SPECRING_SLOW_SHARD_S"
+# the hooks' names, declared in shared/envs.py
+HELPERS_ENV = envs.FAULT_HELPERS
+SLOW_FORWARD_ENV = envs.SLOW_FORWARD_S
+STALL_FORWARD_ENV = envs.STALL_FORWARD
+SLOW_WRITE_ENV = envs.SLOW_WRITE_S
+INJECT_NONFINITE_ENV = envs.INJECT_NONFINITE
+SLOW_CHECKPOINT_ENV = envs.SLOW_CHECKPOINT_S
+SLOW_EVAL_ENV = envs.SLOW_EVAL_S
+FAIL_EVAL_ENV = envs.FAIL_EVAL
+SLOW_SHARD_ENV = envs.SLOW_SHARD_S
 _warned: set[str] = set()  # hooks whose "fault ..." line this process has logged
 
 
-def flag(name: str) -> bool:
-    """``$name`` as a switch: unset, empty or ``0`` is off, ``1`` is on; ``ConfigError`` naming it otherwise."""
-    text = os.environ.get(name, "").strip()
-    if text not in ("", "0", "1"):
-        raise ConfigError(f"{name}={text!r} must be 0 or 1")
-    return text == "1"
+flag = envs.flag          # ``$name`` as a switch (shared.envs.flag)
+seconds = envs.seconds    # ``$name`` as seconds (shared.envs.seconds)
 
 
 def start_helpers() -> list[subprocess.Popen]:
@@ -84,24 +81,10 @@ def start_helpers() -> list[subprocess.Popen]:
     return helpers
 
 
-def seconds(name: str) -> float:
-    """``$name`` as seconds (0 when unset or empty); ``ConfigError`` naming it if not a finite number >= 0."""
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return 0.0
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{name}={text!r} is not a number of seconds") from None
-    if not 0 <= value < float("inf"):
-        raise ConfigError(f"{name}={text!r} must be a finite number >= 0")
-    return value
-
-
 def stall_target() -> tuple[int, int] | None:
     """``$SPECRING_STALL_FORWARD`` as ``(producer index, generation)``; None when unset; ``ConfigError``
     naming it unless it reads ``<index>:<generation>`` with integers >= 0 and >= 1."""
-    text = os.environ.get(STALL_FORWARD_ENV, "").strip()
+    text = (envs.get(STALL_FORWARD_ENV) or "").strip()
     if not text:
         return None
     index, sep, gen = text.partition(":")
@@ -169,7 +152,7 @@ def parse_batch_ids(text: str | None) -> set[int]:
 
 def inject_nonfinite() -> set[int]:
     """``$SPECRING_INJECT_NONFINITE``: the batch ids whose hidden states get a NaN (empty when unset)."""
-    ids = parse_batch_ids(os.environ.get(INJECT_NONFINITE_ENV))
+    ids = parse_batch_ids(envs.get(INJECT_NONFINITE_ENV))
     if ids:
         _warn_once(INJECT_NONFINITE_ENV, ",".join(map(str, sorted(ids))))
     return ids

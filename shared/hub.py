@@ -13,6 +13,7 @@ import os
 import re
 from pathlib import Path
 
+from specring.shared import envs
 from specring.shared.errors import ConfigError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -22,9 +23,9 @@ ALLOW = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken",
 def hub_cache_dir() -> Path:
     """The Hugging Face hub cache the environment names now (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else
     ``~/.cache/huggingface/hub``); read at call time, since huggingface_hub reads it once at its import."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    if envs.get("HF_HUB_CACHE"):
+        return Path(envs.get("HF_HUB_CACHE")).expanduser()
+    home = envs.get("HF_HOME") or os.path.join(envs.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
     return Path(home).expanduser() / "hub"
 
 
@@ -50,7 +51,7 @@ def resolve_model_dir(spec: str | Path, flag: str = "--target") -> Path:
                                       cache_dir=cache))
     except (LocalEntryNotFoundError, FileNotFoundError, OSError):
         pass
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes")
+    offline = envs.truthy("HF_HUB_OFFLINE")
     what = f"{repo} at revision {revision!r}" if revision else repo
     have = cached_revisions(repo, cache)
     cached = (f"; the cache holds {repo} only at {', '.join(have)} (name one as {repo}@REVISION)"

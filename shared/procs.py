@@ -14,8 +14,8 @@ child's process group whenever the child has exited, and, being a child subreape
 processes that a supervisor running as a container's pid 1 inherits (only reaped), and the next start or
 ``launch.py clean`` finds what survived a SIGKILLed supervisor (``sweep_run_processes``).
 
-``child_main`` is the usual template of a long-running child process: process title, signal handlers that only set a flag, the
-body inside try/finally, a fatal error reported to the coordinator before exiting.
+``child_main`` is the usual template of a long-running child process: process title, signal handlers that only
+set a flag, the body inside try/finally, a fatal error reported to the coordinator before exiting.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from typing import Callable
 import psutil
 import zmq
 
+from specring.shared import envs
 from specring.shared.balance import DutyClock
 from specring.shared.config import RunConfig
 from specring.shared.logs import configure_logging
@@ -51,7 +52,7 @@ log = logging.getLogger(__name__)
 PR_SET_NAME = 15
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-RUN_ID_ENV = "SPECRING_RUN_ID"  # set in every child's environment; inherited by whatever it starts
+RUN_ID_ENV = envs.RUN_ID  # set in every child's environment; inherited by whatever it starts
 EXIT_OK, EXIT_ERROR = 0, 1
 
 # The terminating signals a launcher meets in practice and can catch, each a graceful stop (as torchrun's agent
@@ -404,7 +405,8 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
     """The template every child's ``main`` follows; returns the exit code.
 
     Parses ``--run-dir/--index/--generation``, sets the title and parent-death signal, installs
-    handlers of ``STOP_SIGNALS`` (SIGTERM, SIGINT, SIGHUP, ...) that only set the stop flag, connects the DEALER socket, runs ``body(ctx)``
+    handlers of ``STOP_SIGNALS`` (SIGTERM, SIGINT, SIGHUP, ...) that only set the stop flag, connects the DEALER
+    socket, runs ``body(ctx)``
     inside try/finally, and on an exception sends a fatal ``Error`` to the coordinator before exiting 1; a
     body that returns is followed by one last ``Heartbeat`` (its final figures). The body calls
     ``ctx.ready()`` (which sends ``Hello`` and starts the heartbeat thread) once it can take work; the thread

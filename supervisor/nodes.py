@@ -42,6 +42,7 @@ from typing import Any, Callable
 
 import zmq
 
+from specring.shared import envs
 from specring.shared.errors import ConfigError, MessageError
 from specring.shared.transport import channel
 from specring.shared.transport import messages as m
@@ -51,9 +52,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0   # a node link says something at least this often
 SEND_FAILED_LOG_EVERY_S = 10.0  # a node that does not read: one send_failed line per node and event this often
-STORE_ENV = "SPECRING_DIST_STORE"          # host:port of the TCPStore the consumers' process group meets in
-PREFIX_ENV = "SPECRING_DIST_PREFIX"        # the prefix of this run's keys in it
-CHECKPOINTS_ENV = "SPECRING_CHECKPOINTS_DIR"  # node 0's checkpoints directory, read on --resume by other nodes
+STORE_ENV, PREFIX_ENV, CHECKPOINTS_ENV = envs.DIST_STORE, envs.DIST_PREFIX, envs.CHECKPOINTS_DIR  # shared/envs.py
 
 
 class RendezvousError(RuntimeError):
@@ -156,10 +155,10 @@ def rendezvous(cfg, plan, ctx: zmq.Context, run_dir: str):
     """Meet the other nodes; returns ``(NodeTopology, NodeLink, store)`` (keep the store referenced for the life
     of the run: on node 0 it hosts the store every node and consumer talks to). See the module docstring."""
     nc = cfg.nodes
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    agent = (envs.get("TORCHELASTIC_USE_AGENT_STORE") or "").lower() == "true"
     rank = nc.node_rank
     store = _store(cfg, is_master=(rank == 0 and not agent))
-    base = f"specring/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+    base = f"specring/{envs.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
     record = plan_record(cfg, plan)
     mine = {"producers": len(cfg.producer.devices), "consumers": len(cfg.trainer.devices), "plan": record}
     if rank == 0:

@@ -16,14 +16,14 @@ A backend asked for but not installed is an error at start (``check_backends``),
 backend that fails mid-run is logged and dropped, never stopping training.
 
 No tracker is ever on the supervisor's loop: the backends start, send and close in a worker process of their own
-(``_tracker_worker``, ``python -m specring.supervisor.reporting --worker``; a session of its own, so a terminal's
-Ctrl-C or hang-up does not reach it; killed with its parent), so a tracker server that answers 503 for minutes or never answers, or a wandb start-up
-waiting 90 s, delays no step, no ``launch.py status`` and no signal. The supervisor reads the records (local
-files) and puts them on a bounded queue (``QUEUE_RECORDS``, emptied by a writer thread into the worker's stdin:
-what waits is bounded by the queue and the pipe); a record that finds it full is dropped and counted
+(``_tracker_worker``, ``python -m specring.supervisor.reporting --worker``; a session of its own, so a terminal's Ctrl-C
+or hang-up does not reach it; killed with its parent), so a tracker server that answers 503 for minutes or never
+answers, or a wandb start-up waiting 90 s, delays no step, no ``launch.py status`` and no signal. The supervisor reads
+the records (local files) and puts them on a bounded queue (``QUEUE_RECORDS``, emptied by a writer thread into the
+worker's stdin: what waits is bounded by the queue and the pipe); a record that finds it full is dropped and counted
 (``Reporter.stats``: ``queued``, ``dropped``, ``sent``, ``failed``, ``not_sent``, in ``summary.json`` under
-``report_to``). ``close`` waits at most ``CLOSE_WAIT_S`` seconds for the worker to send what is queued and close
-its backends, then kills it (what it had not sent is counted as ``not_sent``, with one log line).
+``report_to``). ``close`` waits at most ``CLOSE_WAIT_S`` seconds for the worker to send what is queued and close its
+backends, then kills it (what it had not sent is counted as ``not_sent``, with one log line).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specring.shared import envs
 from specring.shared.config import REPORT_BACKENDS
 from specring.shared.errors import ConfigError
 
@@ -112,8 +113,8 @@ class _TensorBoard:
 class _Wandb:
     def __init__(self, run_dir: Path, run_id: str, config: dict):
         import wandb
-        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "specring"), name=run_id, id=run_id,
+        mode = envs.get("WANDB_MODE") or ("online" if envs.get("WANDB_API_KEY") else "offline")
+        self.run = wandb.init(project=envs.get("WANDB_PROJECT", "specring"), name=run_id, id=run_id,
                               dir=str(run_dir), config=config, mode=mode, resume="allow", reinit=True)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -127,12 +128,12 @@ class _Mlflow:
     def __init__(self, run_dir: Path, run_id: str, config: dict):
         import mlflow
         self.mlflow = mlflow
-        uri = os.environ.get("MLFLOW_TRACKING_URI")
+        uri = envs.get("MLFLOW_TRACKING_URI")
         if not uri:  # the default: a file store in the run directory (newer MLflow asks for an explicit opt-in)
             uri = (run_dir / "mlruns").resolve().as_uri()
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            envs.set_default("MLFLOW_ALLOW_FILE_STORE", "true")
         mlflow.set_tracking_uri(uri)
-        mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "specring"))
+        mlflow.set_experiment(envs.get("MLFLOW_EXPERIMENT_NAME", "specring"))
         self.run = mlflow.start_run(run_name=run_id)
         params = {k: str(v)[:500] for k, v in _flat(config).items()}
         for i in range(0, len(params), 90):  # the file store takes a bounded batch per call
@@ -246,7 +247,8 @@ def _tracker_worker(inbox, outbox) -> None:
             backends[n] = _CLASSES[n](Path(run_dir), run_id, config)
             say("backend", n, "started", logging.INFO, f"report_to started backend={n}")
         except Exception as e:  # noqa: BLE001 - a tracker must never stop a run
-            say("backend", n, "disabled", logging.ERROR, f"report_to backend={n} disabled error={type(e).__name__}: {e}")
+            say("backend", n, "disabled", logging.ERROR,
+                f"report_to backend={n} disabled error={type(e).__name__}: {e}")
     sent = failed = 0
     for line in inbox:
         item = json.loads(line)
@@ -261,7 +263,8 @@ def _tracker_worker(inbox, outbox) -> None:
             try:
                 b.log(metrics, int(step))
             except Exception as e:  # noqa: BLE001
-                say("backend", n, "dropped", logging.ERROR, f"report_to backend={n} dropped error={type(e).__name__}: {e}")
+                say("backend", n, "dropped", logging.ERROR,
+                    f"report_to backend={n} dropped error={type(e).__name__}: {e}")
                 backends.pop(n, None)
         sent += 1
         say("stats", sent, failed)
@@ -316,9 +319,9 @@ class Reporter:
 
         from specring.shared.paths import IMPORT_ROOT
 
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, **{envs.known("PYTHONUNBUFFERED"): "1"})
         env["PYTHONPATH"] = str(IMPORT_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env.pop("SPECRING_RUN_ID", None)
+        env.pop(envs.RUN_ID, None)
         read_fd, write_fd = os.pipe()
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         with open(self.run_dir / "logs" / "trackers.log", "ab") as logf:

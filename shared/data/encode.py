@@ -12,13 +12,13 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import numpy as np
 
+from specring.shared import envs
 from specring.shared.config import MAX_INT32, check_numbers, num
 from specring.shared.data.dataset import has_anchor
 from specring.shared.errors import ConfigError
@@ -216,16 +216,15 @@ def render_chat(tok, turns: list[dict[str, Any]], chat_template: str | None = No
                 tools: list | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Tokens of a conversation rendered with the chat template, and its assistant loss mask.
 
-    Returns ``(input_ids [T] int32, loss_mask [T] uint8)``. ``loss_mask`` is 1 on every token that
-    overlaps the characters the template rendered from an assistant turn's content, and on the first token
-    after them when it is a special token (the end-of-turn token, ``<|im_end|>`` for ChatML: the drafter must
-    learn to end a turn); 0 elsewhere (role headers, text the template adds, the newline after the
-    end-of-turn token, other turns). An empty assistant turn carries loss on its end-of-turn token only
-    (as transformers' ``{% generation %}`` mask has it), or none when the template renders an empty turn
-    differently from a non-empty one. Where the assistant text is found is decided by ``assistant_spans``, which works for any turn order, system and tool turns, several
-    assistant turns and templates that add text or transform the content (``| trim``), with or without
-    ``{% generation %}`` markers. Raises ``BadRow`` (``no_assistant_turn``, ``template_error``,
-    ``template_mismatch``).
+    Returns ``(input_ids [T] int32, loss_mask [T] uint8)``. ``loss_mask`` is 1 on every token that overlaps the
+    characters the template rendered from an assistant turn's content, and on the first token after them when it is a
+    special token (the end-of-turn token, ``<|im_end|>`` for ChatML: the drafter must learn to end a turn); 0 elsewhere
+    (role headers, text the template adds, the newline after the end-of-turn token, other turns). An empty assistant
+    turn carries loss on its end-of-turn token only (as transformers' ``{% generation %}`` mask has it), or none when
+    the template renders an empty turn differently from a non-empty one. Where the assistant text is found is decided by
+    ``assistant_spans``, which works for any turn order, system and tool turns, several assistant turns and templates
+    that add text or transform the content (``| trim``), with or without ``{% generation %}`` markers. Raises ``BadRow``
+    (``no_assistant_turn``, ``template_error``, ``template_mismatch``).
 
     Tool use: ``tools`` (the row's) go to the template, and so do the turns' ``tool_calls`` (``normalize_turns``);
     the text the template renders from an assistant turn's tool calls carries loss as its content does
@@ -524,7 +523,7 @@ def _init_worker(cfg: EncoderConfig) -> None:
 
     from specring.shared.procs import set_parent_death_signal
     set_parent_death_signal(signal.SIGKILL)          # a tokenizer worker dies with its launcher, whatever kills it
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"   # one process per core already
+    envs.put("TOKENIZERS_PARALLELISM", "false")   # one process per core already
     _WORKER["encoder"] = Encoder(cfg)
 
 
