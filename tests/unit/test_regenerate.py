@@ -1,4 +1,4 @@
-"""``launch.py regenerate`` (cli/regenerate.py): the target's own text replaces the data, resumably."""
+"""``launch.py regenerate`` (cli/regenerate.py, shared/data/regenerate.py): the target's own text replaces the data, resumably."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from specring.cli import regenerate as rg
+from specring.cli import regenerate as regenerate_cli
+from specring.shared.data import regenerate as rg
 from specring.shared.data.dataset import TokenDataset
 from specring.shared.data.encode import _result
 from specring.shared.data.writer import ArrowSink
@@ -42,7 +43,7 @@ def greedy(target, prompt, n):
 
 
 def run(tmp_path, inp, *extra) -> int:
-    return rg.main(["--target", str(TARGET), "--input", str(inp), "--output", str(tmp_path / "out.arrow"),
+    return regenerate_cli.main(["--target", str(TARGET), "--input", str(inp), "--output", str(tmp_path / "out.arrow"),
                     "--devices", "cpu", "--no-progress", *extra])
 
 
