@@ -1,7 +1,8 @@
 """``launch.py train``: flags and ``--config FILE`` onto the configuration (``specring.cli.flags``, derived
-from the declaration in ``specring.shared.config``), the run resolved (``specring.supervisor.runplan``), then
-printed (``--plan``, with the producer:consumer ratio that balances the run's shape, from the rates a previous
-run of the same shape recorded: ``specring.shared.balance``) or run by the supervisor.
+from the declaration in ``specring.shared.config``), the run resolved (``specring.supervisor.launch.plan_run``),
+then printed (``--plan``, with the producer:consumer ratio that balances the run's shape, from the rates a previous
+run of the same shape recorded: ``specring.shared.balance``) or run (``specring.supervisor.launch.launch``) and
+its summary line printed.
 
 Flags given on the command line override the file; everything is validated before any process starts, and
 errors name the flag.
@@ -58,24 +59,16 @@ def _say(text: str) -> None:
 
 def _train_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    from specring.supervisor.launch import launch, plan_run
+    from specring.supervisor.nodes import RendezvousError
     try:
         cfg = config_from_args(args)
         if cfg.resume:
             changed = "; changed: " + ", ".join(cfg.resume_changes) if cfg.resume_changes else ""
             print(f"resuming {cfg.run_dir} with the configuration saved in it{changed}", file=sys.stderr)
-        from specring.supervisor.resume import (
-            check_resume_data,
-            check_resume_draft_vocab,
-            claim_run_dir,
-            prepare_run_dir,
-        )
-        new_default = prepare_run_dir(cfg)
-        from specring.supervisor.runplan import resolve_run
-        plan = resolve_run(cfg)
-        record = check_resume_data(cfg, plan)  # a resume onto other data or another plan stops here
-        check_resume_draft_vocab(cfg, plan)    # EAGLE-3: the checkpoint's own draft vocabulary, in the plan too
+        start = plan_run(cfg)
         if args.plan:
-            print(plan.describe(cfg))
+            print(start.plan.describe(cfg))
             from specring.shared.balance import balance_lines
             from specring.shared.paths import runs_dir
             print("\n".join(balance_lines(cfg.to_dict(), [runs_dir(), Path(cfg.run_dir).parent])))
@@ -84,51 +77,19 @@ def _train_main(argv: list[str]) -> int:
                 print("CPU defaults (every device is CPU; a flag or --config value replaces them):")
                 print("\n".join("  " + x for x in lines))
             return 0
-        lock = claim_run_dir(cfg, new_default, record)  # held until the run is over
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    trained: set[int] = set()
-    if cfg.resume:
-        from specring.supervisor.resume import read_checkpoint_batches
-        updated, skipped = read_checkpoint_batches(Path(cfg.run_dir))
-        trained = updated | skipped
-        if all(b.batch_id in trained for b in plan.order):
-            print(f"nothing to resume: all {len(plan.order)} planned batches of {cfg.run_dir} are in its latest "
-                  f"checkpoint (see its summary.json)", file=sys.stderr)
-            lock.close()
-            return 0
-    from specring.shared.logs import configure_logging
-    configure_logging("supervisor", log_file=Path(cfg.run_dir, "logs", "supervisor.log"))
-    try:  # EAGLE-3: the draft vocabulary, built once from the data (read back, never rebuilt, on --resume)
-        from specring.supervisor.resume import prepare_draft_vocab
-        if prepare_draft_vocab(cfg, plan) == "built":
-            print(f"draft vocabulary: {plan.draft_vocab_size} of the target's {plan.vocab_size} tokens, the most "
-                  f"frequent loss-carrying ones of {cfg.data.data} -> {Path(cfg.run_dir) / 'draft_vocab.safetensors'}",
-                  file=sys.stderr)
-    except ConfigError as e:
-        lock.close()
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    from specring.supervisor.supervisor import Supervisor
-    sup = Supervisor(cfg, plan, trained=trained, updated_before=len(updated) if cfg.resume else 0)
-    from specring.supervisor.nodes import RendezvousError
-    try:
-        with logging_redirect_tqdm():
-            outcome = sup.run()
+        result = launch(start, say=_say)
     except (ConfigError, RendezvousError) as e:  # several nodes: refused or not met (summary.json says so too)
         print(f"error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 1
-    finally:
-        lock.close()
-    s = sup.summary
+        return 1 if isinstance(e, RendezvousError) else 2
+    if result.summary is None:
+        _say(result.note)
+        return result.exit_code
+    s = result.summary
     if cfg.nodes.nnodes > 1 and cfg.nodes.node_rank != 0:  # node 0's summary.json holds the run's ledger
         _say(f"\nnode {cfg.nodes.node_rank} {s['exit_reason']}: its producers and consumers served the run whose "
              f"ledger node 0 ({cfg.nodes.master_addr}) keeps in its summary.json; this node's: "
              f"{Path(cfg.run_dir) / 'summary.json'}")
-        return outcome.exit_code
+        return result.exit_code
     restarts = " ".join(f"producer{k}={v}" for k, v in s["restarts"].items())
     line = (f"\nrun {s['exit_reason']}: {s['trained_batches']}/{s['planned_batches']} batches trained "
             f"(duplicates {s['duplicate_batches']}, lost {s['lost_batches']}, bad {s['bad_batches']}, "
@@ -141,7 +102,8 @@ def _train_main(argv: list[str]) -> int:
         line += (f", tau evaluation FAILED {len(failures)}x (steps {[f['step'] for f in failures]}; last: "
                  f"{last['error'][:200]}; see {Path(cfg.run_dir) / 'eval.jsonl'} and logs/consumer-0.log)")
     if s.get("tau_last"):
-        line += f"\ntau {s['tau_last']['tau_mean']:.3f} at step {s['tau_last']['step']} ({Path(cfg.run_dir) / 'eval.jsonl'})"
+        tau = s["tau_last"]
+        line += f"\ntau {tau['tau_mean']:.3f} at step {tau['step']} ({Path(cfg.run_dir) / 'eval.jsonl'})"
     if s["exit_reason"] == "nothing_trained":
         line += ("\nnothing was trained: every optimizer step was skipped (no labels: no sample of the batches has "
                  "two adjacent tokens that carry loss, which a DFlash anchor needs; or non-finite losses); "
@@ -153,7 +115,7 @@ def _train_main(argv: list[str]) -> int:
                  f"checkpoint); continue with "
                  f"`python launch.py train --run-dir {cfg.run_dir} --resume`")
     _say(line)
-    return outcome.exit_code
+    return result.exit_code
 
 
 def write_run_report(run_dir: str | Path) -> str:
