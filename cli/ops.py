@@ -17,6 +17,10 @@ from specring.shared import paths
 from specring.shared.config import finite_number
 from specring.shared.errors import ConfigError, PeerTimeout
 from specring.supervisor.resume import latest_link
+from specring.supervisor.status import status_mib as _mib
+from specring.supervisor.status import status_num as _num
+from specring.supervisor.status import status_pct as _pct
+from specring.supervisor.status import status_work as _work
 
 
 def _fmt(x) -> str:
@@ -33,7 +37,7 @@ def _address(run_dir: str) -> str:
 
 def status_main(argv: list[str]) -> int:
     """``launch.py status --run-dir R``: one line per process from the running supervisor; ``--serve``: the live
-    page of the run (``specring.cli.live``) until Ctrl-C."""
+    page of the run (``specring.supervisor.live_page``) until Ctrl-C."""
     ap = argparse.ArgumentParser(prog="launch.py status", formatter_class=CommandHelpFormatter,
                                  description=description("status") + " Exits with 1 "
                                  "when no run is going in the run directory (its supervisor has exited).",
@@ -57,7 +61,7 @@ def status_main(argv: list[str]) -> int:
             return 1
         if not 0 <= args.port < 65536 or not args.refresh_s > 0:
             ap.error("--port must be in 0..65535 and --refresh-s above 0")
-        from specring.cli.live import serve
+        from specring.supervisor.live_page import serve
         return serve(args.run_dir, args.host, args.port, args.refresh_s)
     from specring.shared.transport import channel
     from specring.shared.transport import messages as m
@@ -98,25 +102,6 @@ def status_main(argv: list[str]) -> int:
     return 0
 
 
-def _work(row: dict) -> str:
-    """``batch 17 for 3.2s`` (what the child's main thread is on, from its last heartbeat), ``-`` when idle."""
-    what, secs = row.get("work"), row.get("work_s")
-    return f"{what} for {secs:.1f}s" if what and isinstance(secs, (int, float)) else "-"
-
-
-def _pct(x, none: str = "-") -> str:
-    """``0.934`` as ``93%``; ``none`` for a missing figure (e.g. the duty cycle of a consumer)."""
-    return none if not isinstance(x, (int, float)) or isinstance(x, bool) else f"{x:.0%}"
-
-
-def _mib(x):
-    return None if x is None else x / 2**20
-
-
-def _num(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def restart_main(argv: list[str]) -> int:
     """``launch.py restart producer N --run-dir R``: graceful restart of one producer."""
     ap = argparse.ArgumentParser(prog="launch.py restart", formatter_class=CommandHelpFormatter,
@@ -124,7 +109,8 @@ def restart_main(argv: list[str]) -> int:
                                  "training goes on: it finishes its current batch, exits, and comes back as a new "
                                  "generation; its published slots are still consumed.")
     ap.add_argument("role", choices=["producer"], help="only producers can be restarted")
-    ap.add_argument("index", type=finite_number(int), help="producer index (the number after producer- in `launch.py status`)")
+    ap.add_argument("index", type=finite_number(int),
+                    help="producer index (the number after producer- in `launch.py status`)")
     ap.add_argument("--run-dir", default=str(latest_link()), help="the run (default: runs/latest)")
     args = ap.parse_args(argv)
     if not 0 <= args.index < 2**16:

@@ -119,10 +119,10 @@ def _train_main(argv: list[str]) -> int:
 
 
 def write_run_report(run_dir: str | Path) -> str:
-    """Write ``RUN_DIR/report/`` (``specring.cli.report``) at the end of a run; returns the path of its
+    """Write ``RUN_DIR/report/`` (``specring.supervisor.report``) at the end of a run; returns the path of its
     ``index.html``, or ``not written (...)`` saying why: a report never changes a run's outcome."""
     try:
-        from specring.cli.report import write_report
+        from specring.supervisor.report import write_report
         return str(write_report([run_dir]))
     except Exception as e:  # noqa: BLE001 - matplotlib missing, a full disk: said on the line, the run stands
         log.warning("report not written: %s: %s", type(e).__name__, e)

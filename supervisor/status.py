@@ -37,3 +37,25 @@ def read_status_rows(run_dir: str | Path) -> list[dict]:
         return json.loads((Path(run_dir) / STATUS_FILE).read_text())["rows"]
     except (OSError, ValueError, KeyError):
         return []
+
+
+# ------------------------------------------------------------ a row's figures as `launch.py status` prints them
+def status_work(row: dict) -> str:
+    """``batch 17 for 3.2s`` (what the child's main thread is on, from its last heartbeat), ``-`` when idle."""
+    what, secs = row.get("work"), row.get("work_s")
+    return f"{what} for {secs:.1f}s" if what and isinstance(secs, (int, float)) else "-"
+
+
+def status_pct(x, none: str = "-") -> str:
+    """``0.934`` as ``93%``; ``none`` for a missing figure (e.g. the duty cycle of a consumer)."""
+    return none if not isinstance(x, (int, float)) or isinstance(x, bool) else f"{x:.0%}"
+
+
+def status_mib(x):
+    """Bytes as MiB (None stays None)."""
+    return None if x is None else x / 2**20
+
+
+def status_num(x, spec: str) -> str:
+    """``x`` formatted with ``spec``; ``-`` for a missing figure."""
+    return "-" if x is None else format(x, spec)

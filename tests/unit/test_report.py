@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from specring.cli import report
+from specring.cli import report as report_cli
+from specring.supervisor import report
 from specring.supervisor.timeseries import TimeSeries
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -192,7 +193,7 @@ def test_two_runs_share_one_page_and_the_rows_that_differ_are_marked(tmp_path, m
     a = make_run_dir(tmp_path / "a", drafter="dflash")
     b = make_run_dir(tmp_path / "b", drafter="eagle3", producers=1, devices="cuda:0")
     monkeypatch.chdir(tmp_path)
-    assert report.main([str(a), str(b)]) == 0
+    assert report_cli.main([str(a), str(b)]) == 0
     index = tmp_path / "reports" / "a-vs-b" / "index.html"
     assert capsys.readouterr().out.strip() == f"report: {index}"
     page = read_page(index)
@@ -213,7 +214,7 @@ def test_missing_and_truncated_files_are_named_not_raised(tmp_path, capsys):
     (run / "eval.jsonl").write_text("not json\n")
     (run / "config.json").unlink()
     (run / "timeseries.jsonl").write_bytes((run / "timeseries.jsonl").read_bytes()[:-25])
-    assert report.main([str(run), "--output", str(tmp_path / "out")]) == 0
+    assert report_cli.main([str(run), "--output", str(tmp_path / "out")]) == 0
     page = read_page(tmp_path / "out" / "index.html")
     said = " | ".join(page.missing)
     assert "config.json: missing" in said
@@ -227,16 +228,16 @@ def test_missing_and_truncated_files_are_named_not_raised(tmp_path, capsys):
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert report.main([str(empty)]) == 0
+    assert report_cli.main([str(empty)]) == 0
     page = read_page(empty / "report" / "index.html")
     assert all(f["empty"] == "1" for f in page.figures.values())
     assert {m.split(":")[1].strip() for m in page.missing} >= {"config.json", "summary.json", "metrics.jsonl",
                                                               "eval.jsonl", "timeseries.jsonl"}
     capsys.readouterr()
-    assert report.main([str(tmp_path / "nope")]) == 2
+    assert report_cli.main([str(tmp_path / "nope")]) == 2
     assert "no such run directory" in capsys.readouterr().err
     (tmp_path / "bad.json").write_text("{")
-    assert report.main([str(run), "--eval", str(tmp_path / "bad.json")]) == 2
+    assert report_cli.main([str(run), "--eval", str(tmp_path / "bad.json")]) == 2
     assert "--eval" in capsys.readouterr().err
 
 
@@ -275,7 +276,7 @@ def _get(url: str):
 
 
 def test_the_live_page_answers_at_its_token_only_and_is_read_only(tmp_path):
-    from specring.cli.live import make_server
+    from specring.supervisor.live_page import make_server
     run = make_run_dir(tmp_path / "live")
     before = sorted((p.name, p.stat().st_mtime_ns) for p in run.rglob("*"))
     server, url = make_server(run, refresh_s=1.0)

@@ -1,4 +1,4 @@
-"""``launch.py status --serve``: the report of a run (``specring.cli.report``) as a live page, with the
+"""``launch.py status --serve``: the report of a run (``specring.supervisor.report``) as a live page, with the
 per-process table of ``launch.py status``.
 
 A threaded ``http.server`` on ``127.0.0.1`` by default (``--host`` to listen elsewhere; through an SSH tunnel the
@@ -24,8 +24,11 @@ import threading
 import time
 from pathlib import Path
 
-from specring.cli.ops import _mib, _num, _pct, _work
-from specring.cli.report import load_run, render_page, render_plots
+from specring.supervisor.report import load_run, render_page, render_plots
+from specring.supervisor.status import status_mib as _mib
+from specring.supervisor.status import status_num as _num
+from specring.supervisor.status import status_pct as _pct
+from specring.supervisor.status import status_work as _work
 
 WATCHED = ("config.json", "summary.json", "metrics.jsonl", "eval.jsonl", "timeseries.jsonl", "status.json")
 CSP = ("default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
