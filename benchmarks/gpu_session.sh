@@ -4,7 +4,8 @@
 # shape, with Liger Kernel's fused linear + cross-entropy against the chunked loss), the fused loss's GPU test, and
 # end-to-end launcher runs (fixture; Qwen3-8B-shaped random target) with a producer killed.
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_session.sh [steps...] (default: every step)
-#   steps: transport producer producer_hybrid linear_ce trainer trainer_fused fixture qwen
+#   steps: transport producer producer_hybrid linear_ce trainer trainer_fused eagle3_step first_step eval_batched
+#          fixture qwen
 #   Wheels in .whl/ (pyzmq, flash-linear-attention, fla-core, liger-kernel: the machine has no index) are
 #   installed into /tmp/site first.
 set -u
@@ -39,6 +40,24 @@ has trainer && step trainer 60 python3 benchmarks/trainer.py --device cuda:0 --s
 has trainer_fused && step trainer_fused ${FUSED_S:-240} python3 benchmarks/trainer.py --device cuda:0 --shape qwen3-8b \
   --seq-len 2048 --num-anchors ${ANCHORS:-512} --steps 5 --warmup 2 --check --profile ${PROFILE:-0} \
   --attention ${FORMS:-flex+compile+fused flex+compile flex+fused flex}
+has eagle3_step && step eagle3_step 200 python3 benchmarks/eagle3_step.py --device cuda:0 \
+  --forms batched+compile batched reference --check --profile 2
+if has first_step; then  # a fixture run on the GPU: spawn -> first step, tau evaluated off the training path
+  [ -f data/demo/heldout.arrow ] || python3 launch.py prepare --demo --no-progress > "$OUT/prepare.txt" 2>&1
+  rm -rf runs/gpu-first-step
+  step first_step ${FIRST_S:-240} python3 launch.py train --run-dir runs/gpu-first-step --producers cuda:0 \
+    --consumers cuda:0 --max-steps ${FIRST_STEPS:-600} --checkpoint-every 200 --eval-every 200
+  python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print({k: v for k, v in s.items() if any(w in k for w in ("first", "start", "spawn", "eval", "tau", "elapsed", "steps_per", "tokens_per"))})' \
+    runs/gpu-first-step/summary.json >> "$LOG" 2>&1
+  cp runs/gpu-first-step/summary.json "$OUT/first_step_summary.json" 2>/dev/null
+  cp runs/gpu-first-step/eval.jsonl "$OUT/first_step_eval.jsonl" 2>/dev/null
+fi
+if has eval_batched; then  # the standard setting (24 held-out prompts, 256 + 256, bf16): batched, then one at a time
+  D=${EVAL_DRAFTER:-runs/gpu-first-step}
+  step eval_batched 200 python3 launch.py eval --drafter $D --baselines prompt-lookup --output-json "$OUT/eval_batched.json"
+  step eval_loop ${LOOP_S:-330} python3 launch.py eval --drafter $D --baselines prompt-lookup --batch-size 1 \
+    --output-json "$OUT/eval_loop.json"
+fi
 has fixture && step e2e_fixture 230 python3 benchmarks/e2e.py --run-dir runs/gpu-fixture --kill-at-s 25 --timeout-s 220
 if has qwen; then
   python3 benchmarks/random_target.py --output /tmp/qwen3-8b-random > /dev/null
