@@ -41,7 +41,8 @@ def plan_batches(data: str | None, max_tokens: int, max_batch_size: int, count: 
     out = []
     for b in plan.epoch(0)[:count]:
         ids, am, lm, lengths = collate(ds, b.sample_ids, b.pad_to, pad_id)
-        out.append({"input_ids": ids, "attention_mask": am, "loss_mask": lm, "lengths": lengths, "batch_id": b.batch_id})
+        out.append({"input_ids": ids, "attention_mask": am, "loss_mask": lm, "lengths": lengths,
+                    "batch_id": b.batch_id})
     return out
 
 
@@ -167,4 +168,5 @@ def _now() -> float:
     return time.perf_counter()
 
 
-__all__ = ["DEFAULT_TARGET", "ProducerStage", "launch", "make_trainer", "pipeline_flags", "plan_batches", "run_config", "sync"]
+__all__ = ["DEFAULT_TARGET", "ProducerStage", "launch", "make_trainer", "pipeline_flags", "plan_batches", "run_config",
+           "sync"]

@@ -52,7 +52,8 @@ class MessageDispatch:
             return node not in self.dead_nodes and bool(self.link.send(
                 m.NodeMsg(node=0, event="child", role=role, index=index, body=m.encode(msg)), to=node))
         try:
-            channel.send(self.router, msg, to=peer_identity(role, index, self.coordinator.generation(role, index)).encode())
+            channel.send(self.router, msg,
+                         to=peer_identity(role, index, self.coordinator.generation(role, index)).encode())
             return True
         except zmq.ZMQError as e:  # a peer that is gone or not reading: one line per peer and LOG_EVERY_S
             self._warn_limited(("send_failed", role, index), "send_failed to=%s-%d kind=%s error=%s", role, index,
@@ -98,7 +99,8 @@ class MessageDispatch:
                 self.consumer_error = msg.message
             return
         gen = getattr(msg, "generation", peer_gen) if role == "producer" else peer_gen  # a producer's own
-        if co.fenced(role, child.index, peer_gen, msg.KIND) or (gen != peer_gen and co.fenced(role, child.index, gen, msg.KIND)):
+        if co.fenced(role, child.index, peer_gen, msg.KIND) or (
+                gen != peer_gen and co.fenced(role, child.index, gen, msg.KIND)):
             return
         if isinstance(msg, m.Hello) and (role != msg.role or child.index != msg.index):
             log.warning("reject hello peer=%s says %s-%s", sender, msg.role, msg.index)

@@ -115,7 +115,8 @@ class HealthMonitor:
         one piece of work longer than ``batch_timeout_s``, or idle without turning its loop for longer than
         ``hang_timeout_s``, as of its last heartbeat plus the time since (see the module docstring)."""
         work_s = child.stats.get("work_s")
-        if isinstance(work_s, bool) or not isinstance(work_s, (int, float)) or child.last_progress > child.last_heartbeat:
+        if (isinstance(work_s, bool) or not isinstance(work_s, (int, float))
+                or child.last_progress > child.last_heartbeat):
             return ""  # an older child without these figures, or progress since the figures were sent
         now = self.clock()
         busy_s = float(work_s) + now - child.last_heartbeat

@@ -163,7 +163,8 @@ def report(sidecar: dict, output: Path) -> str:
              f"({sidecar['num_loss_tokens']} with loss) from {sidecar['rows_read']} rows in {sidecar['time_s']} s"]
     if "length" in sidecar:
         s = sidecar["length"]
-        lines.append(f"  length: min {s['min']} p50 {s['p50']:.0f} p90 {s['p90']:.0f} p99 {s['p99']:.0f} max {s['max']} mean {s['mean']}")
+        lines.append(f"  length: min {s['min']} p50 {s['p50']:.0f} p90 {s['p90']:.0f} p99 {s['p99']:.0f} "
+                     f"max {s['max']} mean {s['mean']}")
     lines.append(f"  over --max-length {sidecar['max_length']}: truncated {sidecar['truncated']}, "
                  f"dropped {sidecar['dropped_overlong']}")
     bad = sidecar.get("bad_rows", {})

@@ -86,7 +86,8 @@ class DFlashFamily(DrafterFamily):
 
     def plan_notes(self, run, num_layers, vocab_size, ids):
         p = run.producer
-        if p.target_layer_ids is None and p.num_target_layers is None and len(ids) < layer_ids.DEFAULT_NUM_TARGET_LAYERS:
+        if (p.target_layer_ids is None and p.num_target_layers is None
+                and len(ids) < layer_ids.DEFAULT_NUM_TARGET_LAYERS):
             return [f"the {num_layers}-layer target gives {len(ids)} default capture layers {ids} (DFlash default "
                     f"{layer_ids.DEFAULT_NUM_TARGET_LAYERS} on deeper targets)"]
         return []
@@ -130,8 +131,8 @@ class DFlashFamily(DrafterFamily):
         t = run.trainer
         loss = "" if t.loss == "ce" else f", loss {t.loss} (alpha {t.dpace_alpha})"
         loss += "" if t.sliding_window is None else f", sliding window {t.sliding_window}"
-        return (f"(drafter {self.name}, block size {t.block_size}, anchors {t.num_anchors}{loss}{self.plan_extra(run)}, "
-                f"grad_accum {t.grad_accum})")
+        return (f"(drafter {self.name}, block size {t.block_size}, anchors {t.num_anchors}"
+                f"{loss}{self.plan_extra(run)}, grad_accum {t.grad_accum})")
 
     def plan_extra(self, run) -> str:
         """What a derived family adds to the plan line (DFlash: nothing)."""

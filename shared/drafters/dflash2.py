@@ -67,7 +67,8 @@ class DFlash2Family(DFlashFamily):
     model_cls: ClassVar[type] = DFlash2Drafter
     config_file: ClassVar[str] = "dflash2_config.json"
     export_architecture: ClassVar[str] = "DFlash2DraftModel"
-    description: ClassVar[str] = "dflash2 (DFlash + dynamic convolutions + candidate selector, shared/models/dflash2.py)"
+    description: ClassVar[str] = ("dflash2 (DFlash + dynamic convolutions + candidate selector, "
+                                  "shared/models/dflash2.py)")
 
     def config_kwargs(self, run) -> dict[str, Any]:
         t = run.trainer

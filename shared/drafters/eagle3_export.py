@@ -73,7 +73,8 @@ def eagle3_export_tensors(model: Eagle3Drafter, dtype: torch.dtype) -> dict[str,
     """The tensors of an export: trainable weights in ``dtype``, ``d2t`` int64, ``t2d`` bool (no embedding)."""
     out = {}
     for name, t in model.trainable_state_dict().items():
-        out[name] = t.detach().cpu().contiguous() if name in ("d2t", "t2d") else t.detach().to("cpu", dtype).contiguous()
+        out[name] = (t.detach().cpu().contiguous() if name in ("d2t", "t2d")
+                     else t.detach().to("cpu", dtype).contiguous())
     return out
 
 

@@ -90,7 +90,8 @@ def plan_layout(tensors: Mapping[str, torch.Tensor]) -> tuple[Descriptor, int]:
     return desc, end
 
 
-def write_tensors(buf: torch.Tensor, tensors: Mapping[str, torch.Tensor], non_blocking: bool = False) -> tuple[Descriptor, int]:
+def write_tensors(buf: torch.Tensor, tensors: Mapping[str, torch.Tensor],
+                  non_blocking: bool = False) -> tuple[Descriptor, int]:
     """Copy ``tensors`` into the 1-D ``uint8`` tensor ``buf`` and return ``(descriptor, payload_bytes)``.
 
     Tensors may live on any device; a CUDA source with ``non_blocking=True`` issues an asynchronous

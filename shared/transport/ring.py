@@ -57,7 +57,8 @@ NAME_PREFIX = "specring-"
 MAGIC = b"SPECRING"
 LAYOUT_VERSION = 1
 PAGE = 4096
-RING_HEADER = struct.Struct("<8sIIQQIdxxxx16s")  # magic, version, num_slots, slot_bytes, payload_off, pid, start, run_id
+# magic, version, num_slots, slot_bytes, payload_off, pid, start, run_id
+RING_HEADER = struct.Struct("<8sIIQQIdxxxx16s")
 SLOT_HEADER = struct.Struct("<IIqQQII")           # state, generation, batch_id, payload_len, seq, checksum, flags
 SLOT_HEADER_BYTES = 64
 EMPTY, WRITING, PUBLISHED = 0, 1, 2

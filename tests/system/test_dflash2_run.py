@@ -57,7 +57,8 @@ def test_a_dflash2_run_trains_exports_loads_back_and_evaluates(dataset, tmp_path
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and "auto_map" not in cfg
     d = cfg["dflash_config"]
-    assert (d["selector_top_k"], d["selector_rank"], d["conv_kernel_size"], d["conv_group_size"]) == (TOP_K, RANK, 2, 16)
+    assert ((d["selector_top_k"], d["selector_rank"], d["conv_kernel_size"], d["conv_group_size"])
+            == (TOP_K, RANK, 2, 16))
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     assert set(tensors) == reference_weight_names(1)

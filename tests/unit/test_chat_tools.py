@@ -23,7 +23,8 @@ from tests.support import TARGET
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "fixtures" / "chat-templates" / "tools.jinja"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
-                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}}}}}]
 CALL_ONLY = {"tools": TOOLS, "messages": [
     {"role": "user", "content": "Weather in Paris?"},
     {"role": "assistant", "content": None, "tool_calls": [

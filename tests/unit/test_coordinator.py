@@ -60,7 +60,7 @@ def test_stale_generation_is_rejected_and_death_requeues_writing_slots():
         co.on_hello("consumer", c, 1)
     co.on_hello("producer", 0, 1)
     leases = [msg for _, _, msg in co.pump()]
-    assert [l.batch_id for l in leases] == [0, 1, 2]
+    assert [lease.batch_id for lease in leases] == [0, 1, 2]
     co.on_slot_ready(ready(leases[0], 0))            # batch 0 published
     gen = co.producer_died(0)                         # batches 1, 2 were being written
     assert gen == 2
@@ -73,7 +73,7 @@ def test_stale_generation_is_rejected_and_death_requeues_writing_slots():
     assert co.pump() == []
     co.on_hello("producer", 0, 2)
     relet = [msg for _, _, msg in co.pump()]
-    assert [l.batch_id for l in relet] == [1, 2] and all(l.generation == 2 for l in relet)
+    assert [lease.batch_id for lease in relet] == [1, 2] and all(lease.generation == 2 for lease in relet)
 
 
 def test_unreleased_credit_limits_deliveries():

@@ -39,13 +39,15 @@ def test_default_layer_ids():
     assert default_target_layer_ids(8, 1) == [4]
     assert default_target_layer_ids(8, 2) == [1, 5]
     # more layers than the 8-layer target can spread: as many distinct ones as it has (1..5), as the producer
-    assert DFlashConfig.from_target(TARGET, None, mask_token_id=3, num_target_layers=9).target_layer_ids == [1, 2, 3, 4, 5]
+    wide = DFlashConfig.from_target(TARGET, None, mask_token_id=3, num_target_layers=9)
+    assert wide.target_layer_ids == [1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="duplicate"):
         DFlashConfig.from_target(TARGET, [1, 3, 1], mask_token_id=3)
 
 
 def test_config_from_target(cfg, tmp_path):
-    assert (cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (256, 768, 4, 2)
+    assert ((cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads)
+            == (256, 768, 4, 2))
     assert (cfg.head_dim, cfg.vocab_size, cfg.rope_theta, cfg.rms_norm_eps) == (64, 8192, 10000.0, 1e-6)
     assert cfg.num_hidden_layers == 2 and cfg.num_target_layers == 3 and cfg.target_layer_ids == [1, 3, 5]
     assert cfg.tie_word_embeddings and cfg.target_model_type == "qwen3"
@@ -163,7 +165,8 @@ def test_forward_respects_the_mask(drafter):
     ids, lm, cu, anchors, hidden = _packed_problem(gen)
     bb = build_block_batch(ids, lm, cu, anchors, 4, drafter.config.mask_token_id)
     mask = build_attention_mask(anchors, cu, 4)
-    run = lambda h: drafter(bb.block_input_ids, bb.block_positions, h, bb.ctx_positions, mask).view(-1, 4, 256)
+    def run(h):
+        return drafter(bb.block_input_ids, bb.block_positions, h, bb.ctx_positions, mask).view(-1, 4, 256)
     base = run(hidden)
     for blk, p in enumerate(anchors.tolist()):
         s = int(bb.block_seq[blk])

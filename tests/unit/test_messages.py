@@ -1,4 +1,5 @@
-"""Unit tests of shared/transport/messages.py: every control message round-trips, every malformed frame is a MessageError.
+"""Unit tests of shared/transport/messages.py: every control message round-trips, every malformed frame is a
+MessageError.
 
 Frames here are bytes built by hand with msgpack, so each kind of damage is exact; tests/system sends the
 same messages through real ZeroMQ sockets.

@@ -128,5 +128,6 @@ def test_rendezvous_agrees_on_the_topology_and_refuses_another_plan(ctx):
     for r in bad:
         if isinstance(r, tuple):
             r[1].close()
-    assert isinstance(bad[0], ConfigError) and "node 1's run differs from node 0's in batch order, optimizer steps" in str(bad[0])
+    assert isinstance(bad[0], ConfigError)
+    assert "node 1's run differs from node 0's in batch order, optimizer steps" in str(bad[0])
     assert isinstance(bad[1], ConfigError) and "node 0 refused node 1" in str(bad[1])

@@ -1,5 +1,5 @@
-"""Unit tests of cli/prepare.py and shared/data/encode.py: chat rendering and its loss mask, bad-row accounting, --strict,
-length limits, input kinds, and the demo corpus (on a few stdlib files)."""
+"""Unit tests of cli/prepare.py and shared/data/encode.py: chat rendering and its loss mask, bad-row accounting,
+--strict, length limits, input kinds, and the demo corpus (on a few stdlib files)."""
 
 from __future__ import annotations
 

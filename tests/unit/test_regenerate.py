@@ -1,4 +1,5 @@
-"""``launch.py regenerate`` (cli/regenerate.py, shared/data/regenerate.py): the target's own text replaces the data, resumably."""
+"""``launch.py regenerate`` (cli/regenerate.py, shared/data/regenerate.py): the target's own text replaces the data,
+resumably."""
 
 from __future__ import annotations
 

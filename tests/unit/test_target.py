@@ -239,11 +239,11 @@ def test_token_index_gathers_inside_the_hook(tiny):
 def test_hooks_are_removed_on_exit_even_after_an_error(tiny):
     model, _ = tiny
     layers = model.model.layers
-    before = [len(l._forward_hooks) for l in layers] + [len(model.model.norm._forward_hooks)]
+    before = [len(layer._forward_hooks) for layer in layers] + [len(model.model.norm._forward_hooks)]
     with pytest.raises(RuntimeError, match="boom"):
         with LayerCapture(model, [0, 7]):
             raise RuntimeError("boom")
-    after = [len(l._forward_hooks) for l in layers] + [len(model.model.norm._forward_hooks)]
+    after = [len(layer._forward_hooks) for layer in layers] + [len(model.model.norm._forward_hooks)]
     assert before == after
 
 
