@@ -27,7 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.harness import DEFAULT_TARGET, ProducerStage, launch, make_trainer, pipeline_flags, plan_batches, run_config, sync  # noqa: E402,I001
+from benchmarks.harness import (  # noqa: E402,I001
+    DEFAULT_TARGET,
+    ProducerStage,
+    launch,
+    make_trainer,
+    pipeline_flags,
+    plan_batches,
+    run_config,
+    sync,
+)
 
 
 def inprocess(args) -> float:

@@ -44,8 +44,9 @@ GROUPS = {  # --help groups, in order: title -> description
 }
 
 DESCRIPTION = """\
-Train a speculative-decoding drafter (DFlash, DFlash2, EAGLE-3) from a target's hidden states: producers (each runs the target and captures its
-hidden states) and consumers (drafter trainers) run as separate processes joined by shared-memory rings.
+Train a speculative-decoding drafter (DFlash, DFlash2, EAGLE-3) from a target's hidden states: producers (each runs the
+target and captures its hidden states) and consumers (drafter trainers) run as separate processes joined by
+shared-memory rings.
 
 Every configuration field is a flag --SECTION.FIELD-NAME (sections: data, ring, producer, trainer,
 monitor; --run-dir, --resume, --report-to, --tcp and --run-id have none); the common ones also have a

@@ -46,7 +46,6 @@ from specring.shared.errors import ConfigError
 from specring.shared.hub import resolve_model_dir
 from specring.shared.paths import DEFAULT_TARGET
 
-
 HELP_EXAMPLES = """\
 examples:
   launch.py prepare data/chat.jsonl --tokenizer Qwen/Qwen3-8B --output data/train.arrow --max-length 4096

@@ -109,23 +109,23 @@ def check_batch(batch: dict[str, torch.Tensor], dcfg, label_source: str = "data"
 class Trainer:
     """The trainer of one data-parallel rank, for any drafter family (see the module docstring).
 
-    ``cfg``: ``TrainerConfig``; ``dcfg``: the drafter config (its class names the family, ``shared.drafters.family_of``);
-    ``target_dir``: target checkpoint (embedding
-    and LM head are read from it); ``device``: ``"cpu"`` or ``"cuda:N"``; ``run_dir``: where
-    ``metrics.jsonl`` and ``checkpoints/`` live. With ``world_size > 1``, ``torch.distributed`` must be
-    initialised (gloo on CPU, NCCL on GPU) and ``process_group`` (default: the world) spans the consumers.
+    ``cfg``: ``TrainerConfig``; ``dcfg``: the drafter config (its class names the family,
+    ``shared.drafters.family_of``); ``target_dir``: target checkpoint (embedding and LM head are read from it);
+    ``device``: ``"cpu"`` or ``"cuda:N"``; ``run_dir``: where ``metrics.jsonl`` and ``checkpoints/`` live. With
+    ``world_size > 1``, ``torch.distributed`` must be initialised (gloo on CPU, NCCL on GPU) and ``process_group``
+    (default: the world) spans the consumers.
 
-    Keyword options: ``total_steps`` (schedule length; default ``cfg.max_steps``), ``max_mask_elems``
-    (mask/score budget per forward of the grouped forms, default 2**27, see ``split_sequences``),
-    ``attention``: ``"flex"`` (the whole batch in one forward; block-sparse ``flex_attention`` compiled for
-    the GPU, ``shared.models.draft_attention.build_flex_mask``: only the context before each anchor and the own block are
+    Keyword options: ``total_steps`` (schedule length; default ``cfg.max_steps``), ``max_mask_elems`` (mask/score budget
+    per forward of the grouped forms, default 2**27, see ``split_sequences``), ``attention``: ``"flex"`` (the whole
+    batch in one forward; block-sparse ``flex_attention`` compiled for the GPU,
+    ``shared.models.draft_attention.build_flex_mask``: only the context before each anchor and the own block are
     computed), ``"dense"`` (groups of sequences, ``[Q, C+Q]`` mask into ``scaled_dot_product_attention``),
-    ``"structured"`` (groups, context mask + own block, scores computed explicitly, ``Q*(C+B)`` of them:
-    the cheapest on CPU) or ``"auto"`` (default: flex on CUDA, structured elsewhere; see
-    ``benchmarks/trainer.py`` and docs/performance.md for the measured rates),
-    ``write_metrics`` (rank 0 writes ``metrics.jsonl``), ``keep_last`` (checkpoints kept; None = all),
-    ``compile_layers`` (``torch.compile`` each draft layer in place; default ``cfg.compile``, whose None
-    means on CUDA: measured 1.8x the positions/s of the uncompiled flex form for the fixture drafter).
+    ``"structured"`` (groups, context mask + own block, scores computed explicitly, ``Q*(C+B)`` of them: the cheapest on
+    CPU) or ``"auto"`` (default: flex on CUDA, structured elsewhere; see ``benchmarks/trainer.py`` and
+    docs/performance.md for the measured rates), ``write_metrics`` (rank 0 writes ``metrics.jsonl``), ``keep_last``
+    (checkpoints kept; None = all), ``compile_layers`` (``torch.compile`` each draft layer in place; default
+    ``cfg.compile``, whose None means on CUDA: measured 1.8x the positions/s of the uncompiled flex form for the fixture
+    drafter).
     """
 
     def __init__(self, cfg: TrainerConfig, dcfg, target_dir: str | Path,

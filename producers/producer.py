@@ -151,8 +151,8 @@ class Producer:
         """Load ``cfg.target`` on ``cfg.devices[index]`` (a device or a device group ``cuda:0+cuda:1``, over which
         the target is split: ``shared.models.target.load_target``) and build a producer for it.
 
-        ``inject_nonfinite`` defaults to ``$SPECRING_INJECT_NONFINITE`` (``shared.faults``). Raises ``ConfigError`` for a bad
-        index, device, checkpoint or layer ids (see ``shared.models.target``).
+        ``inject_nonfinite`` defaults to ``$SPECRING_INJECT_NONFINITE`` (``shared.faults``). Raises ``ConfigError`` for
+        a bad index, device, checkpoint or layer ids (see ``shared.models.target``).
         """
         if not 0 <= index < len(cfg.devices):
             raise ConfigError(f"producer index {index} has no device: producer.devices has "

@@ -129,8 +129,9 @@ class ChildLifecycle:
 
         Consumers are waited for while they show signs of life: a consumer that has sent nothing (heartbeat,
         ``Checkpointed``, ``Trained``) for ``shutdown_timeout_s``, or whose main thread is stuck
-        (``HealthMonitor.stuck``), is left to ``_cleanup`` (SIGTERM, then SIGKILL). A final checkpoint and tau evaluation that keep heartbeating may take longer, up to
-        ``SHUTDOWN_CAP_FACTOR * shutdown_timeout_s`` in all. A second signal stops waiting at once.
+        (``HealthMonitor.stuck``), is left to ``_cleanup`` (SIGTERM, then SIGKILL). A final checkpoint and tau
+        evaluation that keep heartbeating may take longer, up to ``SHUTDOWN_CAP_FACTOR * shutdown_timeout_s`` in all. A
+        second signal stops waiting at once.
         """
         self._stop_nodes()
         # a dead node leaves the consumers in a collective that cannot finish: nothing to wait for

@@ -20,8 +20,8 @@ import torch
 
 from specring.shared.config import RunConfig
 from specring.shared.data.dataset import Batch, BatchPlan, TokenDataset
-from specring.shared.drafters import get_family
 from specring.shared.devices import DTYPE_NAMES, resolve_device, resolve_device_group, resolve_dtype
+from specring.shared.drafters import get_family
 from specring.shared.errors import ConfigError
 from specring.shared.models.layer_ids import describe_capture, layer_kinds
 from specring.shared.models.target_config import read_target_config, text_config

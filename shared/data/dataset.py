@@ -1,12 +1,12 @@
 """Tokenized training data: a memory-mapped Arrow dataset, length buckets and a deterministic batch plan.
 
-File format (written by ``launch.py prepare``, see ``cli/prepare.py`` and ``shared/data/encode.py``): one Arrow IPC *file* with the
-columns ``input_ids: list<int32>``, ``loss_mask: list<uint8>`` (same length as ``input_ids`` in every row),
-``source_file: int32`` (index into the sidecar's ``inputs`` list) and ``source_row: int64`` (line number,
-1-based, for JSONL; row number, 0-based, for Parquet; chunk number for the demo corpus). The file may hold
-several record batches (``prepare`` flushes every few thousand rows so it never holds the whole dataset).
-Next to it lives a JSON sidecar, ``sidecar_path(path)`` (``train.arrow`` -> ``train.json``), with the
-tokenizer's name, vocab size and pad id, counts and token statistics.
+File format (written by ``launch.py prepare``, see ``cli/prepare.py`` and ``shared/data/encode.py``): one Arrow IPC
+*file* with the columns ``input_ids: list<int32>``, ``loss_mask: list<uint8>`` (same length as ``input_ids`` in every
+row), ``source_file: int32`` (index into the sidecar's ``inputs`` list) and ``source_row: int64`` (line number, 1-based,
+for JSONL; row number, 0-based, for Parquet; chunk number for the demo corpus). The file may hold several record batches
+(``prepare`` flushes every few thousand rows so it never holds the whole dataset). Next to it lives a JSON sidecar,
+``sidecar_path(path)`` (``train.arrow`` -> ``train.json``), with the tokenizer's name, vocab size and pad id, counts and
+token statistics.
 
 What is guaranteed:
 

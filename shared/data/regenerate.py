@@ -80,8 +80,8 @@ class TransformersBackend:
     def __init__(self, target: str, device: str, dtype: str, batch_size: int, trust_remote_code: bool = False):
         import torch
 
-        from specring.shared.hub import load_pretrained
         from specring.shared.devices import resolve_device, resolve_dtype
+        from specring.shared.hub import load_pretrained
         dev = resolve_device(device)
         self.device = dev
         self.model = load_pretrained("causal_lm", target, dtype=resolve_dtype(dtype, dev),

@@ -1,8 +1,9 @@
 """The DFlash2 serving format: export a DFlash2 checkpoint as ``DFlash2DraftModel`` and load an export back.
 
-Format: the public checkpoints and their loaders, z-lab/dflash ``dflash/model.py`` (``DFlash2DraftModel``,
-commit 10129599) with that repository's ``dflash:tests/fixtures/dflash2-config.json`` and ``dflash:tests/fixtures/dflash2-safetensors-header.json``,
-and the SGLang (PR #35371) and vLLM (PR #52816) ``DFlash2DraftModel`` loaders; read, not copied.
+Format: the public checkpoints and their loaders, z-lab/dflash ``dflash/model.py`` (``DFlash2DraftModel``, commit
+10129599) with that repository's ``dflash:tests/fixtures/dflash2-config.json`` and
+``dflash:tests/fixtures/dflash2-safetensors-header.json``, and the SGLang (PR #35371) and vLLM (PR #52816)
+``DFlash2DraftModel`` loaders; read, not copied.
 
 * ``config.json``: DFlash's (``dflash_export.exported_config``: Qwen3 sizes, ``num_target_layers`` = the target's
   depth, ``eagle_aux_hidden_state_layer_ids``, RoPE in both forms) with ``architectures: ["DFlash2DraftModel"]``,

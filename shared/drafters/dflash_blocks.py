@@ -265,16 +265,15 @@ def block_loss(logits_fn, hidden: torch.Tensor, labels: torch.Tensor, weights: t
     so only one chunk of ``[rows, V]`` float32 logits is alive at a time (the 152k-token vocab of an 8B target
     would otherwise need tens of GB); ``weighted_ce`` is then returned detached.
 
-    ``loss="dpace"`` replaces the decay ``weights`` by the D-PACE weights of each block (``dpace_weights``, from
-    the chunk's own cross-entropies, detached). ``extra(logits [n, V], hidden [n, H], labels [a, B-1], i, j, w)``,
-    when given, is called for each chunk of blocks ``i..j-1`` (``n = (j - i) * (B - 1)`` rows of slots 1..B-1)
-    (``w [j - i, B-1]`` the chunk's slot weights as the cross-entropy used them: the decay or D-PACE's, 0 where
-    unlabelled) and returns a scalar loss added to the chunk's before its backward (DFlash2's selector loss).
-    ``linear_ce`` with ``head`` (``shared.drafters.linear_ce.resolve_linear_ce``): the cross-entropy and the argmax by a fused linear +
-    cross-entropy kernel, one call per slot (``_fused_block_loss``), ``logits_fn`` unused; the same loss and
-    gradient up to the kernels' rounding. Only the plain ``ce`` loss without distillation or ``extra`` (those
-    need the logits): ``ValueError`` otherwise.
-    Raises ``ValueError`` for another ``loss``.
+    ``loss="dpace"`` replaces the decay ``weights`` by the D-PACE weights of each block (``dpace_weights``, from the
+    chunk's own cross-entropies, detached). ``extra(logits [n, V], hidden [n, H], labels [a, B-1], i, j, w)``, when
+    given, is called for each chunk of blocks ``i..j-1`` (``n = (j - i) * (B - 1)`` rows of slots 1..B-1) (``w [j - i,
+    B-1]`` the chunk's slot weights as the cross-entropy used them: the decay or D-PACE's, 0 where unlabelled) and
+    returns a scalar loss added to the chunk's before its backward (DFlash2's selector loss). ``linear_ce`` with
+    ``head`` (``shared.drafters.linear_ce.resolve_linear_ce``): the cross-entropy and the argmax by a fused linear +
+    cross-entropy kernel, one call per slot (``_fused_block_loss``), ``logits_fn`` unused; the same loss and gradient up
+    to the kernels' rounding. Only the plain ``ce`` loss without distillation or ``extra`` (those need the logits):
+    ``ValueError`` otherwise. Raises ``ValueError`` for another ``loss``.
     """
     if loss not in ("ce", "dpace"):
         raise ValueError(f"loss: must be ce or dpace, got {loss!r}")

@@ -24,9 +24,10 @@ and vLLM ``vllm/model_executor/models/qwen3_dflash.py``. An export directory hol
   (the reference calls ``target.get_input_embeddings()`` and the target's head; SGLang's draft model has
   neither; vLLM shares the target's when the checkpoint has none).
 * ``modeling_dflash.py`` and ``auto_map`` in ``config.json``: transformers' ``AutoModel.from_pretrained(dir,
-  trust_remote_code=True, dtype="auto")`` gives a ``DFlashDraftModel`` (as z-lab's README loads their
-  drafts), specring's own definition: ``shared/drafters/dflash_hf_model.py`` with the drafter's building blocks from
-  ``shared/models/building_blocks.py`` and ``shared/models/dflash.py`` inlined (``modeling_source``), computing the same logits as ``DFlashDrafter``.
+  trust_remote_code=True, dtype="auto")`` gives a ``DFlashDraftModel`` (as z-lab's README loads their drafts),
+  specring's own definition: ``shared/drafters/dflash_hf_model.py`` with the drafter's building blocks from
+  ``shared/models/building_blocks.py`` and ``shared/models/dflash.py`` inlined (``modeling_source``), computing the same
+  logits as ``DFlashDrafter``.
 * ``specring_export.json``: provenance (checkpoint, step, target), the exported ``dtype`` and the dtype
   the checkpoint held (``checkpoint_dtype``, the one tau during training was measured in, with that tau);
   ``launch.py eval --drafter EXPORT_DIR`` measures the exported weights in the exported dtype.
@@ -47,9 +48,9 @@ from typing import Any
 
 import torch
 
-from specring.shared.drafters.dflash_hf_model import modeling_source
 from specring.shared import checkpoint as ckpt
 from specring.shared.devices import MODEL_DTYPES as DTYPES  # the dtypes an export may be written in
+from specring.shared.drafters.dflash_hf_model import modeling_source
 from specring.shared.drafters.serving_format import (
     CONFIG_FILE,
     PROVENANCE_FILE,

@@ -168,8 +168,8 @@ def layer_kinds(cfg: dict, num_layers: int | None = None) -> list[str] | None:
 def describe_capture(kinds: Sequence[str] | None, ids: Sequence[int]) -> str | None:
     """One line for ``train --plan`` on a target whose layers are of several kinds (a hybrid stack such as
     Qwen3.5 / Qwen3-Next: Gated DeltaNet linear attention with a full-attention layer every 4; sliding and full
-    attention), None on a homogeneous one. The captured features are the residual stream after each chosen decoder layer whatever its
-    kind, and the default ids are the even spread of the DFlash rule over all layers, the same as z-lab's
+    attention), None on a homogeneous one. The captured features are the residual stream after each chosen decoder layer
+    whatever its kind, and the default ids are the even spread of the DFlash rule over all layers, the same as z-lab's
     drafters for these targets choose: z-lab/Qwen3.5-27B-DFlash (64 layers) captures ``[1, 16, 31, 46, 61]`` and
     z-lab/Qwen3.6-35B-A3B-DFlash (40 layers) ``[1, 10, 19, 28, 37]``, ``build_target_layer_ids(L, 5)``, mostly
     linear-attention layers."""

@@ -265,8 +265,8 @@ def test_collate_right_pads(tmp_path):
 def test_samples_without_anchor_follow_the_trainers_rule(tmp_path):
     """``has_anchor`` / ``TokenDataset.samples_without_anchor`` (across record batches) agree with
     ``shared.drafters.dflash_blocks.eligible_anchors``, the rule the trainer samples anchors by (issue 14 item 6)."""
-    from specring.shared.drafters.dflash_blocks import eligible_anchors
     from specring.shared.data.dataset import has_anchor
+    from specring.shared.drafters.dflash_blocks import eligible_anchors
 
     rng = np.random.default_rng(3)
     rows = []

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from specring.cli.eval import main
+from specring.shared import checkpoint as ckpt
+from specring.shared.data.demo import is_heldout
 from specring.shared.drafters.dflash_blocks import (
     block_loss,
     build_block_batch,
     loss_weights,
     sample_anchors,
 )
-from specring.shared import checkpoint as ckpt
-from specring.shared.data.demo import is_heldout
 from specring.shared.models.dflash import DFlashConfig, build_drafter
 from specring.shared.models.draft_attention import build_attention_mask
 from specring.shared.models.ngram import PromptLookupProposer

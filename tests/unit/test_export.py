@@ -17,14 +17,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specring.cli.export import main
+from specring.shared import checkpoint as ckpt
+from specring.shared.data.dataset import TokenDataset
 from specring.shared.drafters.dflash_export import (
     export_drafter,
     load_exported,
     load_exported_as_served,
     reference_weight_names,
 )
-from specring.shared import checkpoint as ckpt
-from specring.shared.data.dataset import TokenDataset
 from specring.shared.models.dflash import (
     EMBED_KEY,
     HEAD_KEY,

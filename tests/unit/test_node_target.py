@@ -8,7 +8,6 @@ import json
 import shutil
 from types import SimpleNamespace
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 

@@ -60,7 +60,7 @@ def test_regenerate_refuses_an_output_on_its_input_or_the_inputs_sidecar(tmp_pat
                                 "--devices", "cpu", "--no-progress"])
         assert code == 2
         err = capsys.readouterr().err
-        assert f"regenerate: error: --output: " in err and needle in err, err
+        assert "regenerate: error: --output: " in err and needle in err, err
     assert _snapshot(tmp_path) == before and not list(tmp_path.glob("*.parts"))
 
 
@@ -70,7 +70,7 @@ def test_export_refuses_to_write_over_the_run_it_exports(drafter_run, tmp_path, 
     for out in (run, run / "checkpoints", tmp_path):
         assert export_main(["--drafter", str(run), "--output", str(out), "--overwrite"]) == 2
         err = capsys.readouterr().err
-        assert f"error: --output: " in err and ("is the run directory" in err or "is the checkpoints directory" in err
+        assert "error: --output: " in err and ("is the run directory" in err or "is the checkpoints directory" in err
                                                 or "holds the checkpoint" in err), err
     assert _snapshot(run) == before                             # --overwrite removed nothing
     assert export_main(["--drafter", str(run), "--output", str(run / "export")]) == 0  # beside it: fine

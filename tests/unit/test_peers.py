@@ -12,8 +12,8 @@ import zmq
 
 from specring.shared.transport import channel
 from specring.shared.transport import messages as m
-from specring.supervisor.peers import CommandGate, LogLimiter
 from specring.supervisor.dispatch import peer_name
+from specring.supervisor.peers import CommandGate, LogLimiter
 
 
 class Clock:
