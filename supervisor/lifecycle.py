@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 ORPHAN_REAP_S = 3.0  # at the end, how long to wait for killed orphans to be reaped
 UNWATCHED_S = 2.0  # a turn of the loop longer than this is the supervisor's own stall (see _credit_own_stall)
-SHUTDOWN_CAP_FACTOR = 5  # a consumer still heartbeating after shutdown is waited for at most this many shutdown_timeout_s
+# a consumer still heartbeating after shutdown is waited for at most this many shutdown_timeout_s
+SHUTDOWN_CAP_FACTOR = 5
 
 
 class ChildLifecycle:
@@ -78,7 +79,8 @@ class ChildLifecycle:
         co = self.coordinator
         now = time.monotonic()
         for child in self.producers:
-            if child.proc is not None and child.proc.poll() is not None and child.state not in ("backoff", "failed", "exited"):
+            if (child.proc is not None and child.proc.poll() is not None
+                    and child.state not in ("backoff", "failed", "exited")):
                 self._exited(child)
                 code = child.proc.returncode
                 graceful = child.graceful_restart

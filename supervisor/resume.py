@@ -278,7 +278,8 @@ def check_resume_data(cfg: RunConfig, plan) -> dict:
     if isinstance(old.get("planned_batches"), int) and old["planned_batches"] != len(plan.order):
         digest = plan_digest(plan.first_batches(old["planned_batches"]))  # the run length changed on --resume
     if changed or old.get("plan_digest") != digest:
-        why = ", ".join(changed) if changed else "same data and settings, another batch order (another specring version?)"
+        why = (", ".join(changed) if changed
+               else "same data and settings, another batch order (another specring version?)")
         raise ConfigError(f"--resume: the batch plan of {run_dir} changed since the run started ({why}); {advice}")
     return record
 
@@ -349,7 +350,6 @@ def prepare_draft_vocab(cfg: RunConfig, plan) -> str:
     missing or is not the vocabulary its drafter needs, ``ConfigError`` naming ``--data`` when a token id
     lies outside the target's vocabulary."""
     from specring.shared.draft_vocab import draft_vocab_path, read_draft_vocab, write_draft_vocab
-
     from specring.shared.drafters import get_family
 
     if not get_family(cfg.trainer.drafter).needs_draft_vocab:

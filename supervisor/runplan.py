@@ -84,7 +84,8 @@ class RunPlan:
             *([f"nodes: {cfg.nodes.nnodes} (this is node {cfg.nodes.node_rank}; they meet at "
                f"{cfg.nodes.master_addr}:{cfg.nodes.master_port}); every node runs the producers and consumers above"]
               if cfg.nodes.nnodes > 1 else []),
-            f"batches: {len(self.order)} planned ({self.batches_per_epoch} per epoch), optimizer steps: {self.total_steps}",
+            f"batches: {len(self.order)} planned ({self.batches_per_epoch} per epoch), "
+            f"optimizer steps: {self.total_steps}",
             f"rings: {n} x {cfg.ring.num_slots} slots x {self.slot_bytes / 2**20:.2f} MiB = "
             f"{n * self.ring_bytes / 2**20:.1f} MiB of /dev/shm ({shm_free_bytes() / 2**20:.0f} MiB free)",
             "batch plan (epoch 0):",
@@ -251,8 +252,8 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
     if cfg.data.heldout and cfg.trainer.eval_prompts > 0:  # tau during training reads it in the consumer
         held = open_dataset(cfg.data.heldout, "--heldout", shape)
         if not (held.lengths > cfg.trainer.eval_prompt_len).any():
-            raise ConfigError(f"--heldout: no sample of {cfg.data.heldout} is longer than the {cfg.trainer.eval_prompt_len}-"
-                              f"token prompts of tau during training (eval_prompt_len); use longer samples or "
+            raise ConfigError(f"--heldout: no sample of {cfg.data.heldout} is longer than the "
+                              f"{cfg.trainer.eval_prompt_len}-token prompts of tau during training (eval_prompt_len); use longer samples or "
                               f"--eval-prompts 0")
     dc = cfg.data
     plan = BatchPlan(ds.lengths, max_tokens=dc.max_tokens, max_batch_size=dc.max_batch_size,
@@ -307,5 +308,6 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
                    hidden_size=H, num_layers=L, dtype_per_producer=[DTYPE_NAMES[d] for d in dtypes],
                    plan_summary=plan.summary(), notes=notes, data_digest=ds.content_digest(), data_samples=len(ds),
                    data_tokens=ds.num_tokens, batch_plan=plan, vocab_size=vocab,
-                   draft_vocab_size=min(cfg.trainer.draft_vocab, vocab or cfg.trainer.draft_vocab) if family.needs_draft_vocab else 0,
+                   draft_vocab_size=(min(cfg.trainer.draft_vocab, vocab or cfg.trainer.draft_vocab)
+                                     if family.needs_draft_vocab else 0),
                    layer_kinds=layer_kinds(shape, L))

@@ -299,7 +299,8 @@ class BatchPlan:
         if self.lengths.ndim != 1:
             raise ValueError(f"lengths must be 1-D, got shape {self.lengths.shape}")
         if len(self.lengths) and int(self.lengths.min()) < 1:
-            raise ValueError(f"lengths: sample {int(np.argmin(self.lengths))} has length {int(self.lengths.min())} (< 1)")
+            raise ValueError(f"lengths: sample {int(np.argmin(self.lengths))} has length "
+                             f"{int(self.lengths.min())} (< 1)")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if max_batch_size < 1:

@@ -343,6 +343,7 @@ def export_summary(export_dir: str | Path) -> list[str]:
     prov = json.loads((out / PROVENANCE_FILE).read_text())
     if prov.get("dtype_note"):
         lines.append(f"note: {prov['dtype_note']}")
-    lines.append(f"load (transformers): AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True, dtype=\"auto\")")
+    lines.append(f"load (transformers): AutoModel.from_pretrained({str(out)!r}, trust_remote_code=True, "
+                 f"dtype=\"auto\")")
     lines.append(f"serve (SGLang): --speculative-algorithm DFLASH --speculative-draft-model-path {out}")
     return lines

@@ -90,7 +90,8 @@ def test_export_writes_the_reference_layout(tmp_path, drafter, dcfg):
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]
     assert cfg["num_target_layers"] == 8                      # the target's depth, as in z-lab's configs
     assert cfg["num_hidden_layers"] == 2 and cfg["layer_types"] == ["full_attention"] * 2
-    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (256, 4, 2, 64)
+    shape = (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"])
+    assert shape == (256, 4, 2, 64)
     assert cfg["intermediate_size"] == 768 and cfg["vocab_size"] == 8192 and cfg["rope_theta"] == 10000.0
     assert cfg["dtype"] == "bfloat16"                          # auto = the target's dtype
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
