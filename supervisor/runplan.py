@@ -253,8 +253,8 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
         held = open_dataset(cfg.data.heldout, "--heldout", shape)
         if not (held.lengths > cfg.trainer.eval_prompt_len).any():
             raise ConfigError(f"--heldout: no sample of {cfg.data.heldout} is longer than the "
-                              f"{cfg.trainer.eval_prompt_len}-token prompts of tau during training (eval_prompt_len); use longer samples or "
-                              f"--eval-prompts 0")
+                              f"{cfg.trainer.eval_prompt_len}-token prompts of tau during training (eval_prompt_len); "
+                              f"use longer samples or --eval-prompts 0")
     dc = cfg.data
     plan = BatchPlan(ds.lengths, max_tokens=dc.max_tokens, max_batch_size=dc.max_batch_size,
                      bucket_edges=dc.bucket_edges, num_buckets=dc.num_buckets, seed=dc.seed,
