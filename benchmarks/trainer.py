@@ -128,17 +128,31 @@ def check_forms(trainers: dict[str, Trainer], batch: dict) -> None:
             print(f"check grad_max_rel_diff_{name}_vs_{ref_name}={rel:.2e}")
 
 
-def profile_steps(trainer: Trainer, batches: list[dict], steps: int, device, name: str) -> None:
-    """``steps`` training steps under ``torch.profiler``; prints the operators that take the most time."""
+def profile_steps(trainer: Trainer, batches: list[dict], steps: int, device, name: str, trace: str = "") -> None:
+    """``steps`` training steps under ``torch.profiler``; prints the operators that take the most device time and
+    those that take the most host time; with ``trace``, writes the Chrome trace (``{trace}.{form}.json.gz``)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(device).type == "cuda" else [])
     with profile(activities=acts) as prof:
         for i in range(steps):
             trainer.step(batches[i % 2], [2000 + (i % 2)])
         sync(device)
-    key = "self_cuda_time_total" if torch.device(device).type == "cuda" else "self_cpu_time_total"
     print(f"profile form={name} steps={steps}")
-    print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+    keys = (["self_cuda_time_total"] if torch.device(device).type == "cuda" else []) + ["self_cpu_time_total"]
+    for key in keys:
+        print(f"sorted by {key}")
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+    if trace:
+        import gzip
+        import os
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            raw = os.path.join(d, "trace.json")
+            prof.export_chrome_trace(raw)
+            out = f"{trace}.{name.replace('+', '_')}.json.gz"
+            with open(raw, "rb") as src, gzip.open(out, "wb") as dst:
+                dst.write(src.read())
+        print(f"trace form={name} written {out}")
 
 
 def main(argv=None) -> int:
@@ -161,6 +175,8 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="after timing, profile N steps of each form with torch.profiler and print the top 25 "
                          "operators by device (else CPU) time")
+    ap.add_argument("--trace", default="", metavar="PREFIX",
+                    help="with --profile: also write each form's Chrome trace to PREFIX.FORM.json.gz")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     tmp = tempfile.TemporaryDirectory()
@@ -200,7 +216,7 @@ def main(argv=None) -> int:
             continue
         step_s = (time.perf_counter() - t0) / args.steps
         if args.profile:
-            profile_steps(trainer, batches, args.profile, device, name)
+            profile_steps(trainer, batches, args.profile, device, name, args.trace)
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
         rate[name] = positions / step_s
         print(f"form={name} train_step_s={step_s:.4f} loss={r['loss']:.3f} peak_gpu_mem_gib={mem:.1f} "
