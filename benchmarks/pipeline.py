@@ -7,7 +7,8 @@ For a target (``--target``; the fixture by default, or a Qwen3-8B-shaped random 
    ``--batches`` batches exactly as a producer process does (forward, capture, target labels, slot write and
    publish, one batch in flight);
 2. **consumer alone** (``consumer_tokens_per_s``): the drafter trainer on the first consumer device trains on the
-   payloads of stage 1, already on the device (on CPU, both stages with the threads one process of the run gets);
+   payloads of stage 1, already on the device (on CPU, each stage with the threads a process of its role gets,
+   ``shared.threads``: the producer 1, the consumer all of its cores);
 3. **pipeline** (``pipeline_tokens_per_s``): ``launch.py train`` with that topology for ``--steps`` steps (its
    ``summary.json`` tokens/s, measured from the first optimizer step).
 
@@ -24,7 +25,6 @@ pipeline run's producer duty cycle and consumer starvation (``summary.json`` ``b
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import tempfile
 import time
@@ -44,6 +44,7 @@ from benchmarks.harness import (  # noqa: E402,I001
     run_config,
     sync,
 )
+from specring.shared.threads import plan_threads  # noqa: E402
 
 
 def stage_rates(args) -> tuple[float, float, int]:
@@ -52,8 +53,12 @@ def stage_rates(args) -> tuple[float, float, int]:
                      num_draft_layers=args.num_draft_layers)
     batches = plan_batches(args.data, args.max_tokens, args.max_batch_size, args.batches)
     tokens = sum(int(b["lengths"].sum()) for b in batches)
-    if "cpu" in args.producers + args.consumers:  # the threads each process of the run gets (producers/main.py)
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // (len(args.producers) + len(args.consumers))))
+    def role_threads(role: str, device: str) -> None:  # the threads a process of that role gets (shared.threads)
+        kind = torch.device(device).type
+        if kind == "cpu":
+            torch.set_num_threads(plan_threads(role, kind, args.producers, args.consumers).intra)
+
+    role_threads("producer", args.producers[0])
     stage = ProducerStage(cfg, args.producers[0], random_weights=args.random_target_weights)
     stage.open(batches)
     try:
@@ -62,6 +67,7 @@ def stage_rates(args) -> tuple[float, float, int]:
     finally:
         stage.close()
     dev = args.consumers[0]
+    role_threads("consumer", dev)  # alone on the machine, the consumer's tuner keeps all of its cores
     on_dev = [{k: (v if k == "cu_seqlens" else v.to(dev)) for k, v in p.items()} for p in payloads]
     with tempfile.TemporaryDirectory() as tmp:
         trainer = make_trainer(cfg, dev, tmp)

@@ -14,11 +14,23 @@ aliases a slot.
 A slot that fails verification is answered with ``BadBatch`` (the coordinator re-produces the batch once);
 ``Shutdown`` makes rank 0 write a final checkpoint (all ranks have finished the same steps by then).
 
+τ at checkpoints runs off the training path (``consumer.tau_worker``): rank 0 starts a τ evaluator process after
+its first training step, hands it each checkpoint's path (a snapshot of the trainable weights between checkpoints,
+``--eval-every``) and trains on; the evaluator appends to ``eval.jsonl`` as the inline evaluation did. At a
+``done`` shutdown rank 0 waits for the evaluations still owed (``eval step N prompt k/n``); the evaluator is
+killed and reaped on every exit of the body.
+
+Threads on CPU: ``shared.threads`` (producers one thread each; a lone consumer chooses between all the cores and one
+by timing its steps, ``ThreadTuner``, logged ``threads_tuned``). Start-up is logged as
+``startup_s imports=... build=... warm_up=... ready=...`` (seconds since the process started) and the first step
+as ``first_step_s=...`` with its wait for the first batch.
+
 Heartbeats come from a thread of their own (``shared.procs.ChildContext``) with ``tokens_per_s``, ``step``,
-``tokens`` (target tokens this rank trained), ``gpu_mem_bytes`` and what the main thread is doing (``work``:
-``batch N``, ``checkpoint step N``, ``eval step N prompt k/n``) for how long, so a slow step or checkpoint
-write is not a hang and a stuck one is; and the balance figures ``busy_s``/``window_s``/``idle_tail_s``
-(``shared.balance``: idle = waiting for a delivered slot, i.e. starved).
+``tokens`` (target tokens this rank trained), ``gpu_mem_bytes``, ``tau_eval`` (what the τ evaluator is doing) and
+what the main thread is doing (``work``: ``batch N``, ``checkpoint step N``, ``eval step N prompt k/n`` while a
+finished run waits for its last evaluation) for how long, so a slow step or checkpoint write is not a hang and a
+stuck one is; and the balance figures ``busy_s``/``window_s``/``idle_tail_s`` (``shared.balance``: idle = waiting
+for a delivered slot, i.e. starved).
 """
 
 from __future__ import annotations
@@ -111,17 +123,36 @@ def _init_distributed(ctx: ChildContext, device: torch.device):
     return rank, world, dist.group.WORLD
 
 
-def body(ctx: ChildContext) -> None:
-    from specring.consumer.trainer import CPU_MAX_MASK_ELEMS, Trainer, drafter_config_from_run
-    from specring.shared.drafters import get_family
-    from specring.shared.checkpoint import latest_checkpoint
+def _since_start() -> float:
+    """Seconds since this process was created (its start-up figures are measured from there)."""
+    import psutil
+    try:
+        return time.time() - psutil.Process().create_time()
+    except psutil.Error:
+        return float("nan")
 
+
+def body(ctx: ChildContext) -> None:
+    """Attach the rings, join the group, build the trainer (resume, warm-up), say Hello, then train until told to
+    stop; rank 0 also feeds the τ evaluator (``consumer.tau_worker``), which ends with the body whatever ends it."""
+    from specring.consumer.trainer import CPU_MAX_MASK_ELEMS, Trainer, drafter_config_from_run
+    from specring.shared import threads
+    from specring.shared.checkpoint import latest_checkpoint
+    from specring.shared.drafters import get_family
+
+    marks = {"imports": _since_start()}
     cfg = ctx.config
     device = torch.device(cfg.trainer.devices[ctx.index])
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // max(1, len(cfg.trainer.devices) + len(cfg.producer.devices))))
+    plan = threads.apply(threads.plan_threads("consumer", device.type, cfg.producer.devices, cfg.trainer.devices),
+                         role="consumer")
+    # on CPU the thread count is chosen by measurement (shared.threads.ThreadTuner): 1 or all of the plan's
+    tuner = threads.ThreadTuner([plan.intra, 1] if device.type == "cpu" else [plan.intra])
+    if tuner.active:
+        torch.set_num_threads(tuner.current)  # one thread until two are measured faster
     rings = [Ring.attach(name) for name in ctx.topology.rings]
+    worker = None
     try:
         if device.type == "cuda":
             for r in rings:
@@ -129,7 +160,7 @@ def body(ctx: ChildContext) -> None:
         rank, world, group = _init_distributed(ctx, device)
         dcfg = drafter_config_from_run(cfg)
         extra = {}
-        if get_family(cfg.trainer.drafter).needs_draft_vocab:  # the run's draft vocabulary, written once by the supervisor
+        if get_family(cfg.trainer.drafter).needs_draft_vocab:  # the run's draft vocabulary, written by the supervisor
             from specring.shared.draft_vocab import read_draft_vocab
             extra["draft_vocab"] = read_draft_vocab(ctx.run_dir, dcfg.draft_vocab_size, dcfg.vocab_size)
         elif device.type != "cuda":  # CPU: small groups (per sequence) so no work is spent on other sequences' context
@@ -141,34 +172,38 @@ def body(ctx: ChildContext) -> None:
             if path is not None:
                 trainer.load_checkpoint(path)
                 log.info("resume checkpoint=%s step=%d", path, trainer.step_count)
-        evaluator = None
+        marks["build"] = _since_start()
         if rank == 0 and cfg.trainer.eval_prompts > 0 and cfg.data.heldout:
-            from specring.consumer.tau import CheckpointEvaluator
-            evaluator = CheckpointEvaluator(cfg, device, ctx.run_dir, prompt_len=cfg.trainer.eval_prompt_len)
-            try:  # at start-up, where a long load of the target is expected (startup_timeout_s)
-                evaluator.load()
-            except Exception as e:  # tau during training is optional: training goes on without it, said aloud
-                log.error("tau_eval_disabled error=%s: %s", type(e).__name__, e)
-                evaluator.record_failure(trainer.step_count, e, stage="load")  # eval.jsonl: the supervisor names it
-                evaluator = None
+            from specring.consumer.tau_worker import TauWorker  # started after the first step (tau_worker)
+            worker = TauWorker(ctx.run_dir, str(device), index=ctx.index, generation=ctx.generation,
+                               batch_timeout_s=cfg.monitor.batch_timeout_s,
+                               startup_timeout_s=cfg.monitor.startup_timeout_s)
         compile_s = trainer.warm_up()  # before Hello: a cold compile is start-up (startup_timeout_s), not a hang
         if compile_s:
             log.info("warm_up attention=%s compiled=%s seconds=%.1f", trainer.attention, trainer.compiled, compile_s)
+        marks["warm_up"] = _since_start()
         ctx.ready()
-        _loop(ctx, trainer, SlotReader(rings, device), rank, evaluator, world)
+        marks["ready"] = _since_start()
+        log.info("startup_s %s", " ".join(f"{k}={v:.1f}" for k, v in marks.items()))
+        _loop(ctx, trainer, SlotReader(rings, device), rank, worker, world, tuner)
     finally:
+        if worker is not None:
+            worker.close(ctx.stop_reason or "consumer exiting")
         for r in rings:
             r.close()
         if dist.is_available() and dist.is_initialized():  # joined a group (more than one consumer)
             dist.destroy_process_group()
 
 
-def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=None, world: int = 1) -> None:
+def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, worker=None, world: int = 1,
+          tuner=None) -> None:
     from specring.consumer.trainer import check_batch
 
     cfg = ctx.config
     tokens, t0 = 0, time.monotonic()
-    last_ckpt_step = trainer.step_count
+    last_ckpt = (trainer.step_count, None)  # (step, path) of the last checkpoint written here
+    first_batch_at: float | None = None
+    stepped = False
 
     last_loss: float | None = None
 
@@ -177,28 +212,43 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
         out = {"tokens_per_s": tokens / max(1e-9, now - t0), "step": trainer.step_count, "tokens": tokens}
         if reader.device.type == "cuda":
             out["gpu_mem_bytes"] = torch.cuda.memory_allocated(reader.device)
+        if worker is not None:
+            out["tau_eval"] = worker.doing()
         return out
 
     ctx.stats = stats
 
-    def on_prompt(done: int, total: int) -> None:  # each prompt is a piece of work of its own
-        ctx.progress(f"eval step {trainer.step_count} prompt {done + 1}/{total}")
-        ctx.heartbeat(block=False, eval_prompts_done=done)
-
     def evaluate() -> None:
-        if evaluator is None:
+        """Hand step ``trainer.step_count``'s weights to the τ evaluator (never waits for it)."""
+        if worker is None:
             return
-        try:  # a long evaluation is neither a hang nor a stuck shutdown: each prompt has the batch budget
-            with ctx.working(f"eval step {trainer.step_count}"):
-                evaluator(trainer.model, trainer.step_count, last_loss, on_prompt=on_prompt)
-        except Exception as e:  # an evaluation problem must not stop training; eval.jsonl records it (tau.py)
-            log.error("tau_eval_failed step=%d error=%s: %s", trainer.step_count, type(e).__name__, e)
+        step = trainer.step_count
+        try:
+            if last_ckpt[0] == step and last_ckpt[1] is not None:
+                worker.submit(step, last_loss, last_ckpt[1])
+            else:  # between checkpoints (--eval-every): a snapshot of the trainable weights
+                worker.submit(step, last_loss, worker.snapshot(trainer.model, step), owned=True)
+        except Exception as e:  # noqa: BLE001 - an evaluation problem must not stop training; eval.jsonl records it
+            from specring.consumer.tau import record_failure
+            log.error("tau_eval_failed step=%d error=%s: %s", step, type(e).__name__, e)
+            record_failure(worker.eval_path, step, e)
+
+    def wait_for_tau() -> None:
+        """A finished run: wait for the evaluations still owed, each prompt a piece of work of its own."""
+        if worker is None or worker.idle:
+            return
+        with ctx.working(worker.doing() or "eval"):  # a long evaluation is neither a hang nor a stuck shutdown
+            def on_progress(doing: str) -> None:
+                ctx.progress(doing)
+                ctx.heartbeat(block=False)
+            if not worker.wait(on_progress=on_progress, should_stop=lambda: ctx.stopping):
+                log.warning("tau_eval_wait stopped reason=%s", ctx.stop_reason or "-")
 
     def checkpoint(with_eval: bool = True) -> None:
-        nonlocal last_ckpt_step
+        nonlocal last_ckpt
         with ctx.working(f"checkpoint step {trainer.step_count}"):  # heartbeats go on during the write
             path = trainer.save_checkpoint()
-        last_ckpt_step = trainer.step_count
+        last_ckpt = (trainer.step_count, path)
         if rank == 0:
             ctx.send(m.Checkpointed(step=trainer.step_count, path=str(path)))
         if with_eval and cfg.trainer.eval_every == 0:
@@ -206,6 +256,8 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
 
     while not ctx.stopping:
         ctx.tick()
+        if worker is not None:
+            worker.poll()
         msg = ctx.recv(timeout_s=IDLE_POLL_S)
         if msg is None:
             continue
@@ -214,12 +266,16 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
             continue
         if isinstance(msg, m.Shutdown):
             log.info("shutdown reason=%s", msg.reason)
-            if trainer.step_count > last_ckpt_step and (msg.reason == "done" or world == 1):
+            if trainer.step_count > last_ckpt[0] and (msg.reason == "done" or world == 1):
                 checkpoint(with_eval=msg.reason == "done")  # an interrupted run stops without evaluating
+            if msg.reason == "done":
+                wait_for_tau()
             return
         if not isinstance(msg, m.SlotReady):
             log.warning("reject kind=%s reason=unexpected_for_consumer", msg.KIND)
             continue
+        if first_batch_at is None:
+            first_batch_at = _since_start()
         with ctx.working(f"batch {msg.batch_id}"):
             try:
                 batch = reader.copy_in(msg, check=lambda views: check_batch(views, trainer.dcfg,
@@ -231,8 +287,13 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
                 continue
             ctx.send(m.SlotReleased(producer=msg.producer, generation=msg.generation, slot=msg.slot,
                                     batch_id=msg.batch_id))
+            t_step = time.perf_counter()
             result = trainer.step(batch, [msg.batch_id], checked=True)
             del batch
+            if tuner is not None and tuner.active and world == 1:  # ranks of a group keep one thread count
+                n = tuner.record(time.perf_counter() - t_step, max(1, int(msg.num_tokens)))
+                if n is not None:
+                    torch.set_num_threads(n)
         tokens += int(msg.num_tokens)
         if result["optimizer_step"]:
             if rank == 0:  # rank 0 speaks for the whole group: result["batch_ids"] holds every rank's ids
@@ -240,6 +301,11 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, evaluator=N
                                    loss=float(result["loss"]), num_tokens=int(result["num_tokens"]),
                                    skipped=bool(result["skipped"])))
             last_loss = float(result["loss"])
+            if not stepped:  # the first step of this process
+                stepped = True
+                log.info("first_step_s=%.1f first_batch_s=%.1f", _since_start(), first_batch_at)
+                if worker is not None:  # the evaluator starts now: it never delays the first step
+                    worker.start(trainer.step_count)
             if trainer.step_count % cfg.trainer.checkpoint_every == 0:
                 checkpoint()
             if cfg.trainer.eval_every and trainer.step_count % cfg.trainer.eval_every == 0:

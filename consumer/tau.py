@@ -1,9 +1,11 @@
-"""τ of the live drafter at training checkpoints: ``CheckpointEvaluator`` (rank 0 of the consumers).
+"""τ of the drafter at training checkpoints: ``CheckpointEvaluator``, run by the τ evaluator process
+(``consumer.tau_worker``, started and reaped by rank 0 of the consumers, off the training path).
 
 It decodes with ``specring.shared.models.speculative`` against its own copy of the target and appends a
 record per evaluation to ``RUN_DIR/eval.jsonl``; an evaluation that raises appends a failure record there
 instead (``record_failure``: ``error`` set, ``tau_mean`` null), which the supervisor names in its progress line,
-in ``summary.json`` (``eval_failures``) and in the run's last line.
+in ``summary.json`` (``eval_failures``) and in the run's last line. The heavy imports (the decoding loop,
+transformers) happen on first use, so that a process that only records failures stays light.
 """
 
 from __future__ import annotations
@@ -12,13 +14,13 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from specring.shared import faults
-from specring.shared.models.speculative import evaluate_tau, load_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -27,13 +29,13 @@ logger = logging.getLogger(__name__)
 class CheckpointEvaluator:
     """τ of the live drafter at training checkpoints (``train --eval-prompts N``), rank 0 of the consumers.
 
-    The target is loaded into the consumer process by ``load()`` (the consumer calls it at start-up, so a
-    long load is not mistaken for a hang mid-run; ``__call__`` loads it if nobody did) on the consumer's
-    device in the producers' dtype (``random_weights`` honoured) and kept; prompts are the first ``prompt_len`` tokens of
-    ``num_prompts`` held-out samples. Each evaluation appends ``{"step", "tau_mean", "tau_p50", "tau_p90",
-    "forwards_per_token", "loss", "time"}`` to ``RUN_DIR/eval.jsonl`` and logs ``tau step=... tau=...``; one that
-    raises appends ``record_failure``'s record and raises again (the consumer logs it and trains on).
-    Costs one extra copy of the target's weights on the consumer's device.
+    The target is loaded by ``load()`` (the τ evaluator process calls it when it starts; ``__call__`` loads it
+    if nobody did) on the consumer's device in the producers' dtype (``random_weights`` honoured) and kept;
+    prompts are the first ``prompt_len`` tokens of ``num_prompts`` held-out samples. Each evaluation appends
+    ``{"step", "tau_mean", "tau_p50", "tau_p90", "forwards_per_token", "loss", "time"}`` to ``RUN_DIR/eval.jsonl``
+    and logs ``tau step=... tau=...``; one that raises appends ``record_failure``'s record and raises again (the
+    caller logs it; training goes on).
+    Costs one extra copy of the target's weights on the consumer's device (in the evaluator process).
 
     ``$SPECRING_SLOW_EVAL_S`` (tests and drills only, ``shared.faults``) sleeps that many seconds after each prompt.
     """
@@ -48,6 +50,7 @@ class CheckpointEvaluator:
 
     def load(self) -> None:
         """Load the target and the prompts (once); raises ``ConfigError`` if the target does not load."""
+        from specring.shared.models.speculative import load_prompts
         from specring.shared.models.target import load_target
         tc, pc = self.cfg.trainer, self.cfg.producer
         if self.target is None:
@@ -60,6 +63,7 @@ class CheckpointEvaluator:
         """Evaluate ``drafter`` at optimizer step ``step``; returns the record appended to ``eval.jsonl``.
         The drafter decodes through its family's proposer (``evaluate_tau``; EAGLE-3: chains of ``ttt_steps``).
         ``on_prompt(done, total)`` is called after each prompt."""
+        from specring.shared.models.speculative import evaluate_tau
         tc, pc = self.cfg.trainer, self.cfg.producer
         self.load()
         slow_s = faults.slow_eval_s()
@@ -94,17 +98,26 @@ class CheckpointEvaluator:
                     "-" if loss is None else f"{loss:.3f}", len(self.prompts), rec["eval_s"])
         return rec
 
-    def record_failure(self, step: int, error: BaseException, stage: str = "eval",
+    def record_failure(self, step: int, error: BaseException | str, stage: str = "eval",
                        eval_s: float | None = None) -> dict[str, Any]:
-        """Append the record of a failed evaluation to ``eval.jsonl`` and return it: ``{"step", "tau_mean": None,
-        "error": "<type>: <message>" (one line, at most 500 characters), "stage" (``eval``, or ``load`` when the
-        target or the prompts did not load), "eval_s", "time"}``. Never raises (a full disk is logged)."""
-        text = " ".join(f"{type(error).__name__}: {error}".split())[:500]
-        rec = {"step": int(step), "tau_mean": None, "error": text, "stage": stage,
-               "eval_s": None if eval_s is None else round(eval_s, 2), "time": time.time()}
-        try:
-            with open(self.path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-        except OSError as e:
-            logger.error("tau_eval_record_failed path=%s error=%s", self.path, e)
-        return rec
+        """Append the record of a failed evaluation to ``eval.jsonl`` and return it (``record_failure``)."""
+        return record_failure(self.path, step, error, stage=stage, eval_s=eval_s)
+
+
+def record_failure(path: str | Path, step: int, error: BaseException | str, stage: str = "eval",
+                   eval_s: float | None = None) -> dict[str, Any]:
+    """Append the record of a failed evaluation to the ``eval.jsonl`` at ``path`` and return it: ``{"step",
+    "tau_mean": None, "error": "<type>: <message>" (one line, at most 500 characters; a string ``error`` is taken
+    as it is), "stage" (``eval``; ``load`` when the target or the prompts did not load; ``weights`` when the
+    drafter's weights did not; ``process`` when the evaluator process died or fell silent), "eval_s", "time"}``.
+    Never raises (a full disk is logged)."""
+    text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+    text = " ".join(text.split())[:500]
+    rec = {"step": int(step), "tau_mean": None, "error": text, "stage": stage,
+           "eval_s": None if eval_s is None else round(eval_s, 2), "time": time.time()}
+    try:
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+    except OSError as e:
+        logger.error("tau_eval_record_failed path=%s error=%s", path, e)
+    return rec

@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import sys
 import time
 
 import torch
 
 from specring.producers.producer import Pending, Producer
-from specring.shared import faults
+from specring.shared import faults, threads
 from specring.shared.data.dataset import TokenDataset, collate
 from specring.shared.devices import resolve_device_group
 from specring.shared.errors import ConfigError, MessageError, SlotError
@@ -165,8 +164,9 @@ def body(ctx: ChildContext) -> None:
     slow_write_s = faults.slow_write_s()
     group = resolve_device_group(cfg.producer.devices[ctx.index])
     device = group[0]
-    if device.type == "cpu":  # share the cores with the other processes of the run instead of oversubscribing
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // (len(cfg.producer.devices) + len(cfg.trainer.devices))))
+    if device.type == "cpu":  # threads by role (shared.threads): one here, the consumer takes the cores
+        threads.apply(threads.plan_threads("producer", "cpu", cfg.producer.devices, cfg.trainer.devices),
+                      role="producer")
     ring = Ring.attach(ctx.topology.rings[ctx.index])
     try:
         if device.type == "cuda":

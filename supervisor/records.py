@@ -169,6 +169,9 @@ class RunRecords:
             "loss_last": co.loss_last if co else None,
             "tokens_per_s": round(self.tokens_per_s(), 1),
             "elapsed_s": round(elapsed, 2),
+            # seconds from the first child's spawn to the first optimizer step (imports, loads, warm-up, 1st batch)
+            "first_step_s": (round(self.first_trained_at - self.first_spawn_at, 2)
+                             if self.first_trained_at is not None and self.first_spawn_at is not None else None),
             "rejected_messages": dict(co.rejected) if co else {},
             "rejected_frames": self.rejected_frames,
             "refused_commands": self.refused_commands,

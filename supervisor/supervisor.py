@@ -109,6 +109,7 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
         self.started_at = time.monotonic()
         self.tokens_trained = 0            # tokens of every step after the first (rate = steady state)
         self.first_trained_at: float | None = None
+        self.first_spawn_at: float | None = None  # the first child's spawn (summary.json: first_step_s)
         self.last_trained_at: float | None = None
         self.last_checkpoint: dict = {}
         self.trained_at_start: set[int] = set()  # batch ids of the checkpoint a resumed run started from
@@ -197,6 +198,8 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
         proc = spawn_child(module, str(self.run_dir), child.index, generation,
                            self.run_dir / "logs" / f"{child.name}.log", env=env)
         self.monitor.started(child, proc)
+        if self.first_spawn_at is None:
+            self.first_spawn_at = time.monotonic()
         log.info("spawn %s=%d pid=%d generation=%d", child.role, child.index, proc.pid, generation)
 
     def run(self) -> Outcome:
