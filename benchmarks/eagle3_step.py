@@ -17,13 +17,17 @@ Forms (``--forms``, the first reported, the others measured beside it in the sam
 
 Timing interleaves the forms (``--rounds`` rounds of ``--steps`` steps each, the median round per form), so a
 noisy machine slows every form alike. Printed per form ``form=NAME train_step_s=S`` (and ``steps_per_s``,
-``tokens_per_s``, the loss), then ``train_step_s=`` (first form), ``baseline_train_step_s=`` (the ``reference``
-form, else the last) and ``eagle3_step_speedup=X`` (their ratio). ``--check``: one forward+backward of every
-form on the same batch first, printing each loss and the largest gradient difference relative to the largest
-gradient (float32 on CPU: ~1e-6; bf16 autocast on CUDA: ~1e-2). ``--profile N``: after timing, ``N`` steps of
-each form under ``torch.profiler``: the top operators by device (else CPU) time and, per step, the operators
-called (``ops_per_step``), device kernels (``kernels_per_step``, CUDA), ``.item()``-style reads of a device
-value (``aten::_local_scalar_dense``), boolean-mask indexing (``aten::nonzero``) and device synchronisations.
+``tokens_per_s``, ``process_cpu_s_per_step``: this process's CPU seconds, steadier than the wall clock on a
+shared CPU; the loss), then ``train_step_s=`` (first form), ``baseline_train_step_s=`` (the ``reference`` form,
+else the last), ``eagle3_step_speedup=X`` (their ratio) and ``eagle3_step_speedup_process_cpu=X``.
+
+``--check``: one forward+backward of every form on the same batch first, printing each loss and the largest
+gradient difference relative to the largest gradient (float32 on CPU: ~1e-7; bf16 autocast on CUDA: ~1e-2).
+``--profile N``: after timing, ``N`` steps of each form under ``torch.profiler``: the top operators by device
+(else CPU) time, and per step, for the whole step and for the objective alone, the operators called at the top
+of the dispatcher (``ops_per_step``), kernel launches (``kernels_per_step``, CUDA), reads of a tensor value on
+the host (``aten::_local_scalar_dense``: ``.item()``, ``int()``), boolean-mask indexing (``aten::nonzero``)
+and device synchronisations.
 
     python benchmarks/eagle3_step.py --device cpu --seqs 4 --seq-len 256 --steps 2 --rounds 3 --check
     python benchmarks/eagle3_step.py --device cuda --forms batched+compile batched reference --check --profile 3
@@ -114,26 +118,53 @@ def check_forms(trainers: dict[str, Trainer], batch: dict) -> None:
             print(f"check grad_max_rel_diff_{name}_vs_{ref_name}={rel:.2e}")
 
 
+def _within(event, name: str) -> bool:
+    while event is not None:
+        if event.name == name:
+            return True
+        event = event.cpu_parent
+    return False
+
+
 def profile_steps(trainer: Trainer, batches: list[dict], steps: int, device, name: str) -> None:
-    """``steps`` training steps under ``torch.profiler``: the top 25 operators and the per-step counts."""
-    from torch.profiler import ProfilerActivity, profile
+    """``steps`` training steps under ``torch.profiler``: the top 25 operators, then per step the counts of the
+    whole step and of the family objective alone (forward, and on CPU the backward, which runs on the calling
+    thread there): operators called at the top of the dispatcher (``ops``), device kernels (CUDA), reads of a
+    tensor value on the host (``aten::_local_scalar_dense``: ``.item()``, ``int()``, ``float()``), boolean-mask
+    indexing (``aten::nonzero``) and device synchronisations (``cuda*Synchronize``)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
     cuda = torch.device(device).type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=acts) as prof:
-        for i in range(steps):
-            trainer.step(batches[i % 2], [3000 + (i % 2)])
-        sync(device)
+    objective = trainer.family.objective
+
+    def traced(*a, **k):
+        with record_function("eagle3_objective"):
+            return objective(*a, **k)
+
+    trainer.family = type(trainer.family)()      # a private instance: the wrapper must not reach other trainers
+    trainer.family.objective = traced
+    try:
+        with profile(activities=acts) as prof:
+            for i in range(steps):
+                trainer.step(batches[i % 2], [3000 + (i % 2)])
+            sync(device)
+    finally:
+        trainer.family = type(trainer.family)()
     events = prof.events()
-    ops = sum(1 for e in events if e.name.startswith("aten::") and e.cpu_parent is None)
-    kernels = sum(1 for e in events if cuda and e.device_type == torch.autograd.DeviceType.CUDA)
-    count = {n: sum(1 for e in events if e.name == n) for n in ("aten::_local_scalar_dense", "aten::nonzero")}
-    syncs = sum(1 for e in events if e.name in SYNC_EVENTS)
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     print(f"profile form={name} steps={steps}")
     print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
-    print(f"profile form={name} ops_per_step={ops / steps:.0f} kernels_per_step={kernels / steps:.0f} "
-          f"item_reads_per_step={count['aten::_local_scalar_dense'] / steps:.1f} "
-          f"bool_mask_index_per_step={count['aten::nonzero'] / steps:.1f} device_syncs_per_step={syncs / steps:.1f}")
+    for scope in ("step", "objective"):
+        sel = events if scope == "step" else [e for e in events if _within(e, "eagle3_objective")]
+        top = sum(1 for e in sel if e.name.startswith("aten::")
+                  and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+        kernels = sum(1 for e in sel if "LaunchKernel" in e.name)        # the CUDA runtime's launch calls
+        reads = sum(1 for e in sel if e.name == "aten::_local_scalar_dense")
+        masks = sum(1 for e in sel if e.name == "aten::nonzero")
+        syncs = sum(1 for e in sel if e.name in SYNC_EVENTS)
+        print(f"profile form={name} scope={scope} ops_per_step={top / steps:.0f} "
+              f"kernels_per_step={kernels / steps:.0f} host_reads_per_step={reads / steps:.1f} "
+              f"bool_mask_index_per_step={masks / steps:.1f} device_syncs_per_step={syncs / steps:.1f}")
 
 
 def main(argv=None) -> int:
@@ -178,6 +209,7 @@ def main(argv=None) -> int:
     if args.check:
         check_forms(trainers, batches[0])
     rounds: dict[str, list[float]] = {f: [] for f in args.forms}
+    cpu_rounds: dict[str, list[float]] = {f: [] for f in args.forms}
     loss = {}
     for form, tr in trainers.items():
         for i in range(args.warmup):
@@ -186,17 +218,20 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         for form, tr in trainers.items():
             sync(device)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for i in range(args.steps):
                 m = tr.step(batches[i % 2], [1000 + i % 2])
             sync(device)
             rounds[form].append((time.perf_counter() - t0) / args.steps)
+            cpu_rounds[form].append((time.process_time() - c0) / args.steps)
             loss[form] = m["loss"]
     step_s = {f: statistics.median(v) for f, v in rounds.items()}
+    cpu_s = {f: statistics.median(v) for f, v in cpu_rounds.items()}
     for form in args.forms:
         s = step_s[form]
         print(f"form={form} train_step_s={s:.4f} steps_per_s={1 / s:.2f} tokens_per_s={tokens / s:,.0f} "
-              f"loss={loss[form]:.4f} rounds_s={[round(x, 4) for x in rounds[form]]}")
+              f"process_cpu_s_per_step={cpu_s[form]:.4f} loss={loss[form]:.4f} "
+              f"rounds_s={[round(x, 4) for x in rounds[form]]}")
     if args.profile:
         for form, tr in trainers.items():
             profile_steps(tr, batches, args.profile, device, form)
@@ -206,6 +241,8 @@ def main(argv=None) -> int:
     if base != first:
         print(f"baseline_train_step_s={step_s[base]:.4f} form={base}")
         print(f"eagle3_step_speedup={step_s[base] / step_s[first]:.2f}")
+        # CPU seconds of this process: steadier than the wall clock on a machine shared with other jobs
+        print(f"eagle3_step_speedup_process_cpu={cpu_s[base] / cpu_s[first]:.2f}")
     return 0
 
 

@@ -1,7 +1,7 @@
 """The unbatched EAGLE-3 training-time-test loss, as it was before issue 25: the reference, not the training path.
 
 ``reference_eagle3_loss`` is the implementation ``shared/drafters/eagle3_ttt.py`` had until the batched one
-replaced it (commit 111c33c and before): one Python loop over TTT steps, inside it one attention call per
+replaced it (commit 0991dcd): one Python loop over TTT steps, inside it one attention call per
 packed sequence (``eagle3_attention`` with a fresh causal mask each time), one LM head and loss per step, the
 top-K soft targets gathered and renormalised again at every step. It defines the loss and the statistics the
 batched ``eagle3_loss`` must reproduce (``tests/unit/test_eagle3_batched.py``: float32, CPU, ~1e-5) and is the

@@ -197,3 +197,25 @@ def test_the_compiled_step_keeps_two_graphs_for_any_batch_shape():
         assert len(graphs) == 2
     finally:
         torch._dynamo.reset()
+
+
+def test_soft_cross_entropy_and_its_gradient_are_log_softmax_and_gather():
+    from specring.shared.drafters.eagle3_ttt import soft_cross_entropy
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 5, 40, generator=g, dtype=torch.float64)
+    idx = torch.randint(0, 40, (3, 5, 4), generator=g)
+    p = torch.softmax(torch.randn(3, 5, 4, generator=g, dtype=torch.float64), -1)
+    p[1, 2] = 0.0                                                    # a row whose top-K is outside the vocabulary
+    weights = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    a = logits.clone().requires_grad_()
+    ref = -(p * torch.log_softmax(a, -1).gather(-1, idx)).sum(-1)
+    (ref * weights).sum().backward()
+    b = logits.clone().requires_grad_()
+    out = soft_cross_entropy(b, idx, p.float())
+    loss = (out * weights).sum()
+    loss.backward(retain_graph=True)
+    assert out.dtype == torch.float32 and torch.allclose(out.double(), ref.detach(), atol=1e-5)
+    assert torch.allclose(b.grad, a.grad, atol=1e-6)
+    with pytest.raises(RuntimeError, match="runs once"):
+        loss.backward()
