@@ -26,7 +26,7 @@ from specring.shared.models.dflash import DFlashConfig
 from specring.shared.models.dflash2 import DFlash2Config, DFlash2Drafter
 from specring.shared.models.eagle3 import Eagle3Config, build_draft_vocab
 from specring.shared.models.ngram import PromptLookupProposer
-from specring.shared.models.speculative import SamplingParams, greedy_generate, speculative_generate
+from specring.shared.models.speculative import SamplingParams, evaluate_tau, greedy_generate, speculative_generate
 from specring.shared.models.target import load_target
 from tests.support import TARGET, NoDraftProposer
 
@@ -222,3 +222,16 @@ def test_a_moe_target_is_batched_and_hybrid_or_sliding_ones_are_not():
     assert res[0].tokens == greedy_generate(hybrid, ps[0], 4).tokens
     sliding = tiny_target("qwen3_sliding", vocab_size=512)
     assert "Sliding" in batch_support(sliding, None)
+
+
+def test_evaluate_tau_batched_reports_the_same_figures(target, prompts, stop):
+    """``evaluate_tau(batch_size=N)``: the τ figures of one prompt at a time, the lossless check on the batched
+    greedy reference, and the batching fields."""
+    one = evaluate_tau(target, PromptLookupProposer(3), prompts, NEW, None, block_size=8, stop_token_ids=stop,
+                       check_lossless=True)
+    many = evaluate_tau(target, PromptLookupProposer(3), prompts, NEW, None, block_size=8, stop_token_ids=stop,
+                        check_lossless=True, batch_size=4)
+    for key in ("tau_mean", "tau_pooled", "accept_hist", "generated_tokens", "target_forwards", "verify_steps"):
+        assert many[key] == one[key], key
+    assert many["lossless_mismatches"] == 0 and many["batched"] and many["batch_size"] == 4
+    assert "batched" not in one
