@@ -43,6 +43,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from specring.shared import envs
 from specring.shared.errors import BadBatch as BadBatchError
 from specring.shared.errors import MessageError, SlotError
 from specring.shared.procs import ChildContext, child_main
@@ -95,7 +96,7 @@ class SlotReader:
         return out
 
 
-STORE_ENV, PREFIX_ENV, CHECKPOINTS_ENV = "SPECRING_DIST_STORE", "SPECRING_DIST_PREFIX", "SPECRING_CHECKPOINTS_DIR"
+STORE_ENV, PREFIX_ENV, CHECKPOINTS_ENV = envs.DIST_STORE, envs.DIST_PREFIX, envs.CHECKPOINTS_DIR  # shared/envs.py
 
 
 def _init_distributed(ctx: ChildContext, device: torch.device):
@@ -105,21 +106,21 @@ def _init_distributed(ctx: ChildContext, device: torch.device):
     ``MASTER_ADDR``/``MASTER_PORT``. Several nodes: ``RANK``/``WORLD_SIZE`` are global (the supervisor sets them)
     and the group meets in the nodes' rendezvous store (``SPECRING_DIST_STORE`` host:port, under this run's
     ``SPECRING_DIST_PREFIX``; see ``supervisor.nodes``)."""
-    rank = int(os.environ.get("RANK", ctx.index))
-    world = int(os.environ.get("WORLD_SIZE", len(ctx.config.trainer.devices)))
+    rank = int(envs.get("RANK", str(ctx.index)))
+    world = int(envs.get("WORLD_SIZE", str(len(ctx.config.trainer.devices))))
     if world == 1:
         return 0, 1, None
     backend = "nccl" if device.type == "cuda" else "gloo"
     # a rank waits in a collective while another trains a slow batch: that is allowed batch_timeout_s
     timeout = timedelta(seconds=max(60.0, ctx.config.monitor.batch_timeout_s))
     store = None
-    if os.environ.get(STORE_ENV):
-        host, _, port = os.environ[STORE_ENV].rpartition(":")
-        store = dist.PrefixStore(os.environ.get(PREFIX_ENV, ""),
+    if envs.get(STORE_ENV):
+        host, _, port = envs.get(STORE_ENV).rpartition(":")
+        store = dist.PrefixStore(envs.get(PREFIX_ENV, ""),
                                  dist.TCPStore(host, int(port), is_master=False, timeout=timeout))
     dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout, store=store)
     log.info("distributed backend=%s rank=%d world_size=%d store=%s", backend, rank, world,
-             os.environ.get(STORE_ENV, "env://"))
+             envs.get(STORE_ENV, "env://"))
     return rank, world, dist.group.WORLD
 
 
@@ -168,7 +169,7 @@ def body(ctx: ChildContext) -> None:
         trainer = Trainer(cfg.trainer, dcfg, cfg.producer.target, device, ctx.run_dir, rank=rank,
                           world_size=world, process_group=group, **extra)
         if cfg.resume:  # another node than 0 reads node 0's checkpoints (a shared filesystem)
-            path = latest_checkpoint(os.environ.get(CHECKPOINTS_ENV) or os.path.join(ctx.run_dir, "checkpoints"))
+            path = latest_checkpoint(envs.get(CHECKPOINTS_ENV) or os.path.join(ctx.run_dir, "checkpoints"))
             if path is not None:
                 trainer.load_checkpoint(path)
                 log.info("resume checkpoint=%s step=%d", path, trainer.step_count)
