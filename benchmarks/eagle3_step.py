@@ -8,7 +8,7 @@ EAGLE-3 default of ``--distill-topk``), random top-K target log-probabilities, a
 
 Forms (``--forms``, the first reported, the others measured beside it in the same run):
 
-* ``batched``: ``shared/drafters/eagle3_ttt.eagle3_loss`` (every sequence in one attention call per TTT step,
+* ``batched``: ``shared.drafters.eagle3_ttt.eagle3_loss`` (every sequence in one attention call per TTT step,
   the LM head and loss once over all steps, no host synchronisation);
 * ``batched+compile``: the same with the layer step under ``torch.compile`` (``Trainer(compile_layers=True)``,
   the CUDA default; its compile time is printed and not timed);

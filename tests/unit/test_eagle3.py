@@ -9,7 +9,6 @@ import torch
 
 from specring.shared.drafters.eagle3_ttt import eagle3_loss, ttt_inputs
 from specring.shared.errors import ConfigError
-from specring.shared.models.layer_ids import default_eagle3_layer_ids
 from specring.shared.models.eagle3 import (
     Eagle3Config,
     Eagle3Drafter,
@@ -20,6 +19,7 @@ from specring.shared.models.eagle3 import (
     eagle3_extend,
     target_to_draft,
 )
+from specring.shared.models.layer_ids import default_eagle3_layer_ids
 
 TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 
@@ -235,8 +235,8 @@ def test_the_trainer_trains_checkpoints_and_resumes_an_eagle3_drafter_exactly(tm
         Trainer(cfg, DFlashConfig.from_target(TARGET, None), TARGET, "cpu", tmp_path / "d").load_checkpoint(path)
 
 
-# What SGLang's and vLLM's llama_eagle3.py load_weights accept (read from their source; see shared/drafters/eagle3_export.py):
-# these names, no "model." prefix, "midlayer." for the layer, d2t as offsets.
+# What SGLang's and vLLM's llama_eagle3.py load_weights accept (read from their source; see
+# shared/drafters/eagle3_export.py): these names, no "model." prefix, "midlayer." for the layer, d2t as offsets.
 ENGINE_NAMES = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
     f"midlayer.{n}.weight" for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                                      "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm",
@@ -248,8 +248,8 @@ def test_export_has_the_engines_names_shapes_and_config_and_bad_ones_are_refused
 
     from safetensors import safe_open
 
-    from specring.shared.drafters.eagle3_export import check_eagle3_export, export_eagle3
     from specring.shared import checkpoint as ckpt
+    from specring.shared.drafters.eagle3_export import check_eagle3_export, export_eagle3
     cfg = Eagle3Config.from_target(TARGET, draft_vocab_size=3000, ttt_steps=2)
     d2t, t2d = build_draft_vocab(torch.arange(8192) % 97, 3000)
     model = build_eagle3(cfg, TARGET, d2t, t2d)
