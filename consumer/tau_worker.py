@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 MAX_STARTS = 3  # evaluator processes started in one consumer's life (the first and two replacements)
 MAX_OWED = 4  # evaluations owed at once (the one running and those waiting): beyond, the newest waiting gives way
 CLOSE_GRACE_S = 5.0  # at close: SIGTERM, this long, then SIGKILL
+IDLE_EXIT_S = 1.0  # at close: an idle evaluator told to stop (EOF) gets this long before the SIGTERM
 SNAPSHOT_DIR = "tau"  # RUN_DIR/tau/: weights of evaluations between checkpoints
 
 
@@ -236,8 +237,9 @@ class TauWorker:
 
     def close(self, reason: str = "") -> None:
         """End the evaluator: evaluations still owed are dropped (logged ``tau_eval_cancelled`` with ``reason``);
-        an idle evaluator is told to stop (EOF on its stdin), a busy one SIGTERMed; either is SIGKILLed if it has
-        not exited after ``CLOSE_GRACE_S``, and reaped; snapshots are removed. Safe to call more than once."""
+        an idle evaluator is told to stop (EOF on its stdin) and SIGTERMed if it has not exited ``IDLE_EXIT_S`` later,
+        a busy one SIGTERMed at once; either is SIGKILLed if it has not exited after ``CLOSE_GRACE_S``, and reaped;
+        snapshots are removed. Safe to call more than once."""
         busy = self.current is not None or not self.ready
         for req in ([self.current] if self.current else []) + self.queue:
             log.warning("tau_eval_cancelled step=%d reason=%s", req["step"], reason or "consumer exiting")
@@ -250,8 +252,13 @@ class TauWorker:
                     proc.stdin.close()  # EOF: an idle evaluator exits by itself
             except OSError:
                 pass
-            if busy and proc.poll() is None:
-                proc.terminate()  # in the middle of a prompt or of its start-up: it stops at once
+            if not busy:
+                try:
+                    proc.wait(timeout=IDLE_EXIT_S)
+                except subprocess.TimeoutExpired:
+                    pass
+            if proc.poll() is None:
+                proc.terminate()  # busy (a prompt, its start-up) or slow to exit: it stops at once
             try:
                 proc.wait(timeout=CLOSE_GRACE_S)
             except subprocess.TimeoutExpired:

@@ -95,8 +95,11 @@ def test_killed_evaluator_is_a_recorded_failure_and_is_started_again(tmp_path, m
         first = w.pid
         os.kill(first, signal.SIGKILL)
         assert _gone(first, 10)
-        w.poll()
-        assert w.idle and w.pid is None
+        deadline = time.monotonic() + 10
+        while not w.idle and time.monotonic() < deadline:  # the consumer polls once per turn of its loop
+            w.poll()
+            time.sleep(0.05)
+        assert w.idle and w.pid is None, (w.current, w.queue, w.pid, w.completed)
         w.submit(4, None, ckpt)
         assert w.wait() and w.pid != first and w.starts == 2
     finally:
