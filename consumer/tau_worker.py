@@ -24,9 +24,9 @@ evaluator's log lines go to the consumer's log (``logs/consumer-0.log``, prefix 
 
 Scheduling: one evaluation at a time, in order, at most ``MAX_OWED`` owed at once (the one running and those
 waiting); beyond that the newest waiting one gives way to the new request (logged ``tau_eval_skipped``), so
-evaluations slower than checkpoints never queue up without bound, and the wait at the end stays bounded. At a ``done`` shutdown
-the consumer waits for the evaluations still owed (``TauWorker.wait``, heartbeating per prompt as before); an
-interrupted run drops them (logged ``tau_eval_cancelled``). The evaluator starts after the consumer's first
+evaluations slower than checkpoints never queue up without bound, and the wait at the end stays bounded. At a
+``done`` shutdown the consumer waits for the evaluations still owed (``TauWorker.wait``, heartbeating per prompt as
+before); an interrupted run drops them (logged ``tau_eval_cancelled``). The evaluator starts after the consumer's first
 training step (never delaying it). On CPU it runs 1 intra-op and 1 inter-op thread (``shared.threads``).
 
 Failures stay visible as before: an evaluation that raises is recorded by the evaluator; an evaluator that exits

@@ -101,8 +101,9 @@ class ThreadTuner:
     busy machine are. Each round measures every candidate, smallest first, on ``probe_steps`` steps (after one step
     to settle once it is set) and keeps the one with the least seconds per unit of work; the next round comes
     ``hold_steps`` steps later, twice as late each time the same candidate wins again (at most
-    ``max_hold_steps``), ``hold_steps`` after a change. The first round starts at the first ``record``. ``record(seconds, work)`` after each step (``seconds`` of compute, ``work`` e.g.
-    its tokens; both > 0) returns the thread count to set now, or None to keep the current one.
+    ``max_hold_steps``), ``hold_steps`` after a change. The first round starts at the first ``record``.
+    ``record(seconds, work)`` after each step (``seconds`` of compute, ``work`` e.g. its tokens; both > 0) returns the
+    thread count to set now, or None to keep the current one.
     """
 
     def __init__(self, candidates: list[int], probe_steps: int = 3, hold_steps: int = 40, max_hold_steps: int = 640):

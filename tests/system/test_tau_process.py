@@ -32,9 +32,9 @@ def _gone(pid: int) -> bool:
 
 
 def test_training_goes_on_while_tau_is_measured_and_the_records_read_as_before(dataset, tmp_path):
-    """Each evaluation takes at least 2 x 1.5 s; optimizer steps are trained meanwhile (the evaluator loads in about
-    25 s at its low priority on 2 busy cores, so the run is long enough for the first two evaluations to overlap it). Every checkpoint is
-    evaluated, the final one waited for, and the summary's τ is the last record's."""
+    """Each evaluation takes at least 2 x 1.5 s; optimizer steps are trained meanwhile (the evaluator loads in up to
+    25 s on 2 busy cores, so the run is long enough for the first two evaluations to overlap it).
+    Every checkpoint is evaluated, the final one waited for, and the summary's τ is the last record's."""
     run_dir = tmp_path / "run"
     flags = small_flags(dataset, run_dir, 60, checkpoint_every=20, heldout=dataset, eval_prompts=2,
                         eval_max_new_tokens=8, eval_prompt_len=32)
