@@ -33,6 +33,7 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 ROLES = ("producer", "consumer", "tau")
+REJECT_FACTOR = 1.3  # a candidate this much slower per unit of work on its first step is dropped from the round
 
 
 @dataclass(frozen=True)
@@ -98,15 +99,16 @@ class ThreadTuner:
 
     ``candidates``: the thread counts to choose from (e.g. ``[2, 1]``; one candidate: nothing to tune); it starts on
     the smallest (``current``: the caller sets it first), which is never the disaster that too many threads on a
-    busy machine are. Each round measures every candidate, smallest first, on ``probe_steps`` steps (after one step
-    to settle once it is set) and keeps the one with the least seconds per unit of work; the next round comes
-    ``hold_steps`` steps later, twice as late each time the same candidate wins again (at most
-    ``max_hold_steps``), ``hold_steps`` after a change. The first round starts at the first ``record``.
-    ``record(seconds, work)`` after each step (``seconds`` of compute, ``work`` e.g. its tokens; both > 0) returns the
-    thread count to set now, or None to keep the current one.
+    busy machine are. Each round measures every candidate, smallest first, on ``probe_steps`` steps (a candidate
+    ``REJECT_FACTOR`` slower than one already measured on its first step gets no more: on a busy machine two threads
+    can be 5x slower, and every step spent finding it out is lost) and keeps the one with the least seconds per
+    unit of work (median); the next round comes ``hold_steps`` steps later, four times as late each time the same
+    candidate wins again (at most ``max_hold_steps``), ``hold_steps`` after a change. The first round starts at the
+    first ``record``. ``record(seconds, work)`` after each step (``seconds`` of compute, ``work`` e.g. its tokens;
+    both > 0) returns the thread count to set now, or None to keep the current one.
     """
 
-    def __init__(self, candidates: list[int], probe_steps: int = 3, hold_steps: int = 40, max_hold_steps: int = 640):
+    def __init__(self, candidates: list[int], probe_steps: int = 3, hold_steps: int = 50, max_hold_steps: int = 800):
         self.candidates = sorted({max(1, int(c)) for c in candidates})
         self.probe_steps, self.base_hold, self.max_hold = int(probe_steps), int(hold_steps), int(max_hold_steps)
         self.current = self.candidates[0]
@@ -115,7 +117,6 @@ class ThreadTuner:
         self.hold_left = 0
         self.round: list[int] = list(self.candidates)
         self.samples: dict[int, list[float]] = {}
-        self.skip = 0
         self.rounds = 0
         self.last: dict[int, float] = {}  # seconds per unit of work of each candidate in the last round
 
@@ -134,19 +135,19 @@ class ThreadTuner:
                 return None
             self.round, self.samples = list(self.candidates), {}
             return self._switch(self.round[0])
-        if self.skip > 0:
-            self.skip -= 1
-            return None
         got = self.samples.setdefault(self.current, [])
         got.append(seconds / work)
-        if len(got) < self.probe_steps:
+        known = [v[len(v) // 2] for c, v in self.samples.items() if c != self.current and len(v) >= self.probe_steps]
+        if known and seconds / work > REJECT_FACTOR * min(known):
+            pass  # clearly slower on its first step: no more steps spent on it this round
+        elif len(got) < self.probe_steps:
             return None
         rest = [c for c in self.round if c not in self.samples]
         if rest:
             return self._switch(rest[0])
         self.last = {c: sorted(v)[len(v) // 2] for c, v in self.samples.items()}
         best = min(self.last, key=self.last.get)
-        self.hold = min(2 * self.hold, self.max_hold) if best == self.best else self.base_hold
+        self.hold = min(4 * self.hold, self.max_hold) if best == self.best else self.base_hold
         self.best, self.hold_left, self.rounds = best, self.hold, self.rounds + 1
         log.info("threads_tuned intra=%d round=%d s_per_kwork=%s next_round_in_steps=%d", best, self.rounds,
                  ",".join(f"{c}:{1000 * v:.3f}" for c, v in sorted(self.last.items())), self.hold)
@@ -155,5 +156,5 @@ class ThreadTuner:
     def _switch(self, n: int) -> int | None:
         if n == self.current:
             return None
-        self.current, self.skip = n, 1
+        self.current = n
         return n

@@ -199,7 +199,18 @@ def test_thread_tuner_keeps_the_faster_count_and_measures_again():
         if n is not None:
             switches.append((step, n))
             current = n
-    assert switches[0] == (1, 2), switches  # 1 thread measured twice, then 2 (a step to settle, two measured): kept
+    assert switches[0] == (1, 2), switches  # 1 thread measured twice, then 2 (measured twice): kept
     assert t.current == 1 and t.best == 1, (t.last, switches)
     assert all(n in (1, 2) for _, n in switches) and t.rounds >= 5
     assert not ThreadTuner([1]).active and ThreadTuner([1]).record(1.0, 1.0) is None
+
+
+def test_thread_tuner_spends_one_step_on_a_count_far_slower():
+    t = ThreadTuner([2, 1], probe_steps=3, hold_steps=50)
+    speed, current, at_two = {1: 1.0, 2: 5.0}, 1, 0
+    for _ in range(200):
+        at_two += current == 2
+        n = t.record(speed[current], 1.0)
+        current = n if n is not None else current
+    assert t.best == 1 and current == 1
+    assert at_two == 2, at_two  # one step in each of the two rounds (at the start and 50 steps later)
