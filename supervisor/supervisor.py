@@ -19,10 +19,10 @@ started outlives the child's exit or the run: the child's process group is kille
 the supervisor, a child subreaper, kills the orphans that come back to it (``shared.procs``); after a
 SIGKILL of the supervisor, the next start or ``launch.py clean`` kills them by their ``SPECRING_RUN_ID``.
 
-No peer of the socket can stall the loop or the signal path: sends never block (a command peer whose queue
-is full is dropped; the coordinator records a lease or delivery only once it was queued), operator commands are rate-limited per peer and in all
-(``supervisor.peers``), at most ``MAX_FRAMES_PER_TURN`` frames are handled between two looks at the children
-and the stop flag, and lines about bad peers are rate-limited. A signal only sets the stop flag.
+No peer of the socket can stall the loop or the signal path: sends never block (a command peer whose queue is full is
+dropped; the coordinator records a lease or delivery only once it was queued), operator commands are rate-limited per
+peer and in all (``supervisor.peers``), at most ``MAX_FRAMES_PER_TURN`` frames are handled between two looks at the
+children and the stop flag, and lines about bad peers are rate-limited. A signal only sets the stop flag.
 """
 
 from __future__ import annotations

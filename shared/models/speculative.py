@@ -25,17 +25,17 @@ copied. One sequence at a time:
 Every emitted token is a target greedy choice given a prefix of target greedy choices, so the output
 equals plain greedy decoding token for token (``greedy_generate``; a test asserts it).
 
-Figures (as z-lab/dflash ``dflash/benchmark.py`` reports them, counted as ``dflash_generate`` counts):
-the acceptance length of a verify step is ``a + 1`` (accepted drafts plus the bonus; the prefill's first
-token is not a verify step), never cut at the generation limit or a stop token; verify steps go on while
-no stop token was produced and at most ``max_new_tokens`` tokens exist (the reference's ``start <
-max_length``, so a step also runs when exactly ``max_new_tokens`` are there). ``tau_mean`` is the mean over
-prompts of each prompt's mean acceptance length, ``tau_pooled`` the mean over all steps,
-``tau_p50``/``tau_p90`` percentiles over steps and ``accept_hist`` the count of steps per length.
-``forwards_per_token`` = target forwards (prefill and rollback re-runs included) / generated tokens (1.0 for
-plain greedy decoding); ``rollback_forwards`` counts the re-runs alone. ``tokens_per_s`` = generated tokens / wall time of the generate calls (prefill included);
-``speedup`` = a row's ``tokens_per_s`` over plain greedy decoding's in the same run (the reference's
-"Decoding speedup": baseline time per output token over speculative time per output token).
+Figures (as z-lab/dflash ``dflash/benchmark.py`` reports them, counted as ``dflash_generate`` counts): the acceptance
+length of a verify step is ``a + 1`` (accepted drafts plus the bonus; the prefill's first token is not a verify step),
+never cut at the generation limit or a stop token; verify steps go on while no stop token was produced and at most
+``max_new_tokens`` tokens exist (the reference's ``start < max_length``, so a step also runs when exactly
+``max_new_tokens`` are there). ``tau_mean`` is the mean over prompts of each prompt's mean acceptance length,
+``tau_pooled`` the mean over all steps, ``tau_p50``/``tau_p90`` percentiles over steps and ``accept_hist`` the count of
+steps per length. ``forwards_per_token`` = target forwards (prefill and rollback re-runs included) / generated tokens
+(1.0 for plain greedy decoding); ``rollback_forwards`` counts the re-runs alone. ``tokens_per_s`` = generated tokens /
+wall time of the generate calls (prefill included); ``speedup`` = a row's ``tokens_per_s`` over plain greedy decoding's
+in the same run (the reference's "Decoding speedup": baseline time per output token over speculative time per output
+token).
 
 Sampling (``SamplingParams`` with temperature > 0; temperature 0 is the greedy loop above, unchanged):
 speculative sampling, Leviathan et al. 2023 ("Fast Inference from Transformers via Speculative Decoding",
@@ -601,9 +601,10 @@ class TargetCache:
       if only the accepted tokens had been fed. A full acceptance needs nothing.
 
     The model builds the cache at the prefill (``_prefill``: the class its layers need, whatever the transformers
-    version), and past-state recording is switched on where the installed transformers has it; the recorded windows are trimmed back after each step (``crop(0)``). transformers 5.24's
-    recording covers convolution and sliding windows but no recurrent state (``is_croppable`` is false as
-    soon as one exists, and its own assisted generation refuses such caches), hence the replay.
+    version), and past-state recording is switched on where the installed transformers has it; the recorded windows are
+    trimmed back after each step (``crop(0)``). transformers 5.24's recording covers convolution and sliding windows but
+    no recurrent state (``is_croppable`` is false as soon as one exists, and its own assisted generation refuses such
+    caches), hence the replay.
     """
 
     def __init__(self, target):
