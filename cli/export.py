@@ -13,7 +13,6 @@ from pathlib import Path
 
 from specring.shared import checkpoint as ckpt
 
-
 HELP_EXAMPLES = """\
 examples:
   launch.py export --drafter runs/latest --output exported/

@@ -24,6 +24,7 @@ from specring.shared import config as C
 from specring.shared.errors import ConfigError
 from tests.support import REPO
 
+
 def _numeric(spec) -> bool:
     base = spec.base_type
     return (typing.get_args(base)[0] if typing.get_origin(base) is list else base) in (int, float)
