@@ -104,6 +104,10 @@ def _train_main(argv: list[str]) -> int:
     if s.get("tau_last"):
         tau = s["tau_last"]
         line += f"\ntau {tau['tau_mean']:.3f} at step {tau['step']} ({Path(cfg.run_dir) / 'eval.jsonl'})"
+        best = s.get("tau_best")
+        if best and best["step"] != tau["step"] and best["tau_mean"] > tau["tau_mean"]:
+            line += (f"; best {best['tau_mean']:.3f} at step {best['step']}"
+                     + (f" ({best['checkpoint']})" if best.get("checkpoint") else " (no checkpoint at that step)"))
     if s["exit_reason"] == "nothing_trained":
         line += ("\nnothing was trained: every optimizer step was skipped (no labels: no sample of the batches has "
                  "two adjacent tokens that carry loss, which a DFlash anchor needs; or non-finite losses); "

@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 
 from specring.shared.balance import run_balance
+from specring.shared.checkpoint import step_dir_name
 from specring.supervisor.coordinator import Coordinator
 from specring.supervisor.resume import checkpoint_step_on_disk
 
@@ -146,6 +147,26 @@ class RunRecords:
                 continue
         return None
 
+    def _tau_best(self) -> dict | None:
+        """``{"step", "tau_mean", "checkpoint"}`` of the record with the highest held-out τ in ``eval.jsonl`` (the
+        earliest of equals; failures skipped; None without one). ``checkpoint``: that step's checkpoint directory
+        when the run still holds it (a step between checkpoints was measured on a snapshot, or the checkpoint was
+        rotated out: None), the one to export when the curve has passed its peak."""
+        best = None
+        for rec in self._eval_records():
+            try:
+                if rec.get("error") or rec.get("tau_mean") is None:
+                    continue
+                step, tau = int(rec["step"]), float(rec["tau_mean"])
+            except (KeyError, TypeError, ValueError):
+                continue
+            if best is None or tau > best["tau_mean"]:
+                best = {"step": step, "tau_mean": tau}
+        if best is not None:
+            ckpt_dir = self.run_dir / "checkpoints" / step_dir_name(best["step"])
+            best["checkpoint"] = str(ckpt_dir) if ckpt_dir.is_dir() else None
+        return best
+
     def _write_summary(self, outcome: Outcome) -> None:
         co = self.coordinator
         elapsed = time.monotonic() - self.started_at
@@ -177,6 +198,8 @@ class RunRecords:
             "refused_commands": self.refused_commands,
             "last_checkpoint": self.last_checkpoint,
             "tau_last": self._tau_last(),
+            # the best held-out τ so far and its checkpoint (the plateau and the peak, from eval.jsonl)
+            "tau_best": self._tau_best(),
             # τ evaluations that raised ({step, error}); training went on without them
             "eval_failures": self.poll_eval_failures(),
             # duty cycle of producers, starvation of consumers, capacity per process (shared.balance)

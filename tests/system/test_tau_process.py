@@ -52,6 +52,9 @@ def test_training_goes_on_while_tau_is_measured_and_the_records_read_as_before(d
     s = summary(run_dir)
     assert s["exit_reason"] == "done" and s["eval_failures"] == [], s
     assert s["tau_last"] == {"step": 60, "tau_mean": recs[-1]["tau_mean"]}, s
+    top = max(recs, key=lambda r: r["tau_mean"])  # the earliest of equals: max returns the first
+    assert s["tau_best"] == {"step": top["step"], "tau_mean": top["tau_mean"],
+                             "checkpoint": str(run_dir / "checkpoints" / f"step-{top['step']:06d}")}, s
     assert isinstance(s.get("first_step_s"), float) and s["first_step_s"] > 0, s
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     during = [m["step"] for m in steps for r in recs[:2] if r["time"] - r["eval_s"] < m["time"] < r["time"]]
