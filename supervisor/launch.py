@@ -15,7 +15,7 @@ configured, EAGLE-3's draft vocabulary built once, then ``Supervisor.run`` to th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,7 +39,6 @@ class LaunchResult:
     exit_code: int
     summary: dict[str, Any] | None = None
     note: str = ""
-    details: dict[str, Any] = field(default_factory=dict)
 
 
 def plan_run(cfg: RunConfig) -> RunStart:

@@ -135,37 +135,36 @@ class RunRecords:
         self.eval_failures = out
         return out
 
-    def _tau_last(self) -> dict | None:
-        """``{"step", "tau_mean"}`` of the last measured record in ``eval.jsonl`` (failures skipped; None without
-        one)."""
-        for rec in reversed(self._eval_records()):
+    def _measured_taus(self) -> list[tuple[int, float]]:
+        """``(step, tau_mean)`` of every measured record of ``eval.jsonl``, in file order (failures and records
+        that do not parse skipped)."""
+        out = []
+        for rec in self._eval_records():
             try:
                 if rec.get("error") or rec.get("tau_mean") is None:
                     continue
-                return {"step": int(rec["step"]), "tau_mean": float(rec["tau_mean"])}
+                out.append((int(rec["step"]), float(rec["tau_mean"])))
             except (KeyError, TypeError, ValueError):
                 continue
-        return None
+        return out
+
+    def _tau_last(self) -> dict | None:
+        """``{"step", "tau_mean"}`` of the last measured record in ``eval.jsonl`` (failures skipped; None without
+        one)."""
+        taus = self._measured_taus()
+        return {"step": taus[-1][0], "tau_mean": taus[-1][1]} if taus else None
 
     def _tau_best(self) -> dict | None:
         """``{"step", "tau_mean", "checkpoint"}`` of the record with the highest held-out τ in ``eval.jsonl`` (the
         earliest of equals; failures skipped; None without one). ``checkpoint``: that step's checkpoint directory
         when the run still holds it (a step between checkpoints was measured on a snapshot, or the checkpoint was
         rotated out: None), the one to export when the curve has passed its peak."""
-        best = None
-        for rec in self._eval_records():
-            try:
-                if rec.get("error") or rec.get("tau_mean") is None:
-                    continue
-                step, tau = int(rec["step"]), float(rec["tau_mean"])
-            except (KeyError, TypeError, ValueError):
-                continue
-            if best is None or tau > best["tau_mean"]:
-                best = {"step": step, "tau_mean": tau}
-        if best is not None:
-            ckpt_dir = self.run_dir / "checkpoints" / step_dir_name(best["step"])
-            best["checkpoint"] = str(ckpt_dir) if ckpt_dir.is_dir() else None
-        return best
+        taus = self._measured_taus()
+        if not taus:
+            return None
+        step, tau = max(taus, key=lambda st: st[1])  # max keeps the first of equals
+        ckpt_dir = self.run_dir / "checkpoints" / step_dir_name(step)
+        return {"step": step, "tau_mean": tau, "checkpoint": str(ckpt_dir) if ckpt_dir.is_dir() else None}
 
     def _write_summary(self, outcome: Outcome) -> None:
         co = self.coordinator
