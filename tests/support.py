@@ -225,3 +225,19 @@ def temp_ring(num_slots: int, slot_bytes: int):
         r.close()
         r.unlink()
     assert not os.path.exists(os.path.join(ring.SHM_DIR, r.name))
+
+
+def stdlib_prompts(names, start: int, lengths) -> list[list[int]]:
+    """Prompts from held-out stdlib files (the fixture target never trained on them): file ``names[i]`` tokenized
+    by the fixture's tokenizer, tokens ``start .. start + lengths[i]``. Raises ``AssertionError`` for a file the
+    fixture trained on."""
+    from transformers import AutoTokenizer
+
+    from specring.shared.data.demo import is_heldout
+    tok = AutoTokenizer.from_pretrained(str(TARGET))
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for name, n in zip(names, lengths):
+        assert is_heldout(name), name
+        out.append(tok((root / name).read_text(encoding="utf-8"))["input_ids"][start:start + n])
+    return out

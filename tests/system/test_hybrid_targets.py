@@ -23,19 +23,10 @@ from specring.shared.drafters import load_export
 from tests.support import write_tiny_target
 from tests.system.launcher_util import run_launcher, small_flags, summary
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("one_thread")]  # one_thread: tests/conftest.py
 
 ROLLBACK = {"qwen3_5": "replay", "qwen3_next": "replay", "qwen3_moe": "crop"}
 EVAL = ["--num-prompts", "2", "--prompt-len", "32", "--max-new-tokens", "12"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """`launch.py eval` runs in this process: tiny forwards are many times faster on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def short_run(dataset, run_dir, target, steps=4, **extra):

@@ -7,8 +7,6 @@ that ends some prompts early: every prompt's tokens, acceptance lengths, drafted
 lookup; the eval CLI decodes batched by default and says when and why it does not.
 """
 
-import sysconfig
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,19 +26,14 @@ from specring.shared.models.eagle3 import Eagle3Config, build_draft_vocab
 from specring.shared.models.ngram import PromptLookupProposer
 from specring.shared.models.speculative import SamplingParams, evaluate_tau, greedy_generate, speculative_generate
 from specring.shared.models.target import load_target
-from tests.support import TARGET, NoDraftProposer
+from tests.support import TARGET, NoDraftProposer, stdlib_prompts
 
 LAYERS = [1, 3, 5]
 NEW = 40
 LENGTHS = (40, 64, 23, 51, 33)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -52,15 +45,7 @@ def target():
 @pytest.fixture(scope="module")
 def prompts():
     """Five prompts of 23..64 tokens from held-out stdlib files."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(TARGET))
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for name, n in zip(("copy.py", "base64.py", "gzip.py", "enum.py", "bisect.py"), LENGTHS):
-        ids = tok((root / name).read_text(encoding="utf-8"))["input_ids"]
-        out.append(ids[200:200 + n])
-    return out
+    return stdlib_prompts(("copy.py", "base64.py", "gzip.py", "enum.py", "difflib.py"), 200, LENGTHS)
 
 
 @pytest.fixture(scope="module")

@@ -40,13 +40,7 @@ MODE = {"qwen3_5": "replay", "qwen3_next": "replay", "qwen3_5_moe": "replay", "q
         "qwen3_sliding": "crop"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Many tiny forwards: one thread is faster and immune to a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,6 @@ tokenized here so the tests need no prepared demo corpus.
 
 import json
 import random
-import sysconfig
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -17,7 +15,6 @@ import torch
 
 from specring.cli.eval import main
 from specring.shared import checkpoint as ckpt
-from specring.shared.data.demo import is_heldout
 from specring.shared.drafters.dflash_blocks import (
     block_loss,
     build_block_batch,
@@ -37,20 +34,14 @@ from specring.shared.models.speculative import (
     summarize,
 )
 from specring.shared.models.target import load_target
-from tests.support import TARGET, NoDraftProposer
+from tests.support import TARGET, NoDraftProposer, stdlib_prompts
 
 LAYERS = [1, 3, 5]
 EOS = 0
 NEW = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Decoding is many tiny forwards: one thread is faster and immune to a busy CI machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -62,16 +53,7 @@ def target():
 @pytest.fixture(scope="module")
 def prompts():
     """Four 64-token prompts from the middle of held-out stdlib files."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(TARGET))
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out = []
-    for name in ("copy.py", "base64.py", "gzip.py", "enum.py"):
-        assert is_heldout(name), name
-        ids = tok((root / name).read_text(encoding="utf-8"))["input_ids"]
-        out.append(ids[300:364])
-    return out
+    return stdlib_prompts(("copy.py", "base64.py", "gzip.py", "enum.py"), 300, (64,) * 4)
 
 
 @pytest.fixture(scope="module")

@@ -49,13 +49,7 @@ NEW = 3                # tokens generated per run in the distribution tests
 B = 3                  # verify block: 2 drafts per step
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Many tiny forwards: one thread is faster and immune to a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
