@@ -5,7 +5,7 @@
 # end-to-end launcher runs (fixture; Qwen3-8B-shaped random target) with a producer killed.
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_session.sh [steps...] (default: every step)
 #   steps: transport producer producer_hybrid linear_ce trainer trainer_fused eagle3_step first_step eval_batched
-#          fixture qwen
+#          fixture qwen regen
 #   Wheels in .whl/ (pyzmq, flash-linear-attention, fla-core, liger-kernel: the machine has no index) are
 #   installed into /tmp/site first.
 set -u
@@ -66,5 +66,7 @@ if has qwen; then
     --random-target-weights --producers "$P" --consumers "$C" --max-tokens 16384 --max-batch-size 16 \
     --num-anchors 512 --max-steps 40 --checkpoint-every 1000 --hang-timeout-s 120
 fi
+has regen && step regen 300 python3 benchmarks/regenerate.py --device cuda --num-prompts 4096 --batch-size 1024 \
+  --forms dynamic static static:2048 static:4096
 cp runs/gpu-*.launcher.log "$OUT"/ 2>/dev/null; nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$LOG" 2>&1
 echo "done" | tee -a "$LOG"

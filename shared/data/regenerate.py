@@ -72,21 +72,39 @@ def plan_job(index: int, ids: np.ndarray, mask: np.ndarray, prefix_len: int, str
 
 
 # ------------------------------------------------------------------------------------------------ backends
+CACHES = ("auto", "static", "dynamic")
+STATIC_WIDTH_MULTIPLE = 64
+
+
 class TransformersBackend:
-    """Batched generation with ``transformers`` ``generate`` (left padding, batches of similar length)."""
+    """Batched generation with ``transformers`` ``generate`` (left padding, batches of similar length).
+
+    ``cache``: ``dynamic`` is transformers' growing KV cache, every decode step a chain of small kernel launches
+    from Python; ``static`` is its preallocated ``StaticCache`` (``cache_implementation="static"``), with which
+    transformers compiles the decode step (``torch.compile`` mode ``reduce-overhead``: CUDA graphs) on a GPU, so
+    a step is one graph replay; prompts are then left-padded to a multiple of ``STATIC_WIDTH_MULTIPLE`` tokens so
+    that the batches of a shard share a few shapes and compile once each. ``auto``: ``static`` on CUDA, else
+    ``dynamic`` (on CPU nothing is compiled and the static cache only costs its preallocation). Greedy outputs are
+    the same with either cache up to the rounding of the dtype. ``benchmarks/regenerate.py`` measures both.
+    Raises ``ValueError`` for another ``cache``.
+    """
 
     name = "transformers"
 
-    def __init__(self, target: str, device: str, dtype: str, batch_size: int, trust_remote_code: bool = False):
+    def __init__(self, target: str, device: str, dtype: str, batch_size: int, trust_remote_code: bool = False,
+                 cache: str = "auto"):
         import torch
 
         from specring.shared.devices import resolve_device, resolve_dtype
         from specring.shared.hub import load_pretrained
+        if cache not in CACHES:
+            raise ValueError(f"cache: must be one of {', '.join(CACHES)}, got {cache!r}")
         dev = resolve_device(device)
         self.device = dev
         self.model = load_pretrained("causal_lm", target, dtype=resolve_dtype(dtype, dev),
                                      trust_remote_code=trust_remote_code).to(dev).eval()
         self.batch_size = int(batch_size)
+        self.cache = ("static" if torch.device(dev).type == "cuda" else "dynamic") if cache == "auto" else cache
         self.torch = torch
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, stop_ids: list[int],
@@ -99,6 +117,8 @@ class TransformersBackend:
         for b in range(0, len(order), self.batch_size):
             idx = order[b:b + self.batch_size]
             width = max(len(prompts[i]) for i in idx)
+            if self.cache == "static":
+                width = -(-width // STATIC_WIDTH_MULTIPLE) * STATIC_WIDTH_MULTIPLE
             ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
             att = torch.zeros_like(ids)
             for r, i in enumerate(idx):
@@ -107,6 +127,8 @@ class TransformersBackend:
                 att[r, width - len(p):] = 1
             kw = dict(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0) if temperature > 0 \
                 else dict(do_sample=False)
+            if self.cache == "static":
+                kw["cache_implementation"] = "static"
             with torch.inference_mode():
                 gen = self.model.generate(input_ids=ids.to(self.device), attention_mask=att.to(self.device),
                                           max_new_tokens=max_new_tokens, eos_token_id=stop_ids or None,

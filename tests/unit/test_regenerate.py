@@ -159,3 +159,21 @@ def test_vllm_backend_sends_token_prompts_and_cuts_at_stop(monkeypatch):
     assert calls["prompts"] == [{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [3]}]
     assert calls["params"].kw["max_tokens"] == 4 and calls["params"].kw["stop_token_ids"] == [EOS]
     assert calls["init"]["model"] == str(TARGET) and calls["init"]["skip_tokenizer_init"]
+
+
+def test_the_static_cache_generates_what_the_dynamic_cache_does_in_float32():
+    """Greedy continuations of prompts of unequal lengths (left-padded, the static form to a multiple of 64) are the
+    same with transformers' StaticCache as with its DynamicCache; a cache name outside CACHES is refused."""
+    from tests.support import stdlib_prompts
+    prompts = stdlib_prompts(["difflib.py", "difflib.py", "difflib.py"], 40, [17, 70, 33])
+    stop_ids, pad_id = rg.stop_and_pad_ids(str(TARGET))
+    out = {}
+    for cache in ("dynamic", "static"):
+        be = rg.TransformersBackend(str(TARGET), "cpu", "float32", 2, cache=cache)
+        assert be.cache == cache
+        out[cache] = be.generate(prompts, 12, 0.0, stop_ids, pad_id, seed=0)
+    assert all(len(g) > 0 for g in out["dynamic"]), out
+    assert out["static"] == out["dynamic"]
+    assert rg.TransformersBackend(str(TARGET), "cpu", "float32", 2).cache == "dynamic"  # auto on CPU
+    with pytest.raises(ValueError, match="cache: must be one of"):
+        rg.TransformersBackend(str(TARGET), "cpu", "float32", 2, cache="paged")
