@@ -73,7 +73,14 @@ def plan_job(index: int, ids: np.ndarray, mask: np.ndarray, prefix_len: int, str
 
 # ------------------------------------------------------------------------------------------------ backends
 CACHES = ("auto", "static", "dynamic")
-STATIC_WIDTH_MULTIPLE = 64
+STATIC_MIN_WIDTH = 64
+
+
+def static_width(width: int) -> int:
+    """The prompt width a batch of longest prompt ``width`` tokens is left-padded to with the static cache: the
+    next power of two, at least ``STATIC_MIN_WIDTH`` (so prompts of any lengths make a handful of shapes, each
+    compiled once; the recipe's 256-token prompts stay 256 wide)."""
+    return max(STATIC_MIN_WIDTH, 1 << (int(width) - 1).bit_length())
 
 
 class TransformersBackend:
@@ -82,8 +89,8 @@ class TransformersBackend:
     ``cache``: ``dynamic`` is transformers' growing KV cache, every decode step a chain of small kernel launches
     from Python; ``static`` is its preallocated ``StaticCache`` (``cache_implementation="static"``), with which
     transformers compiles the decode step (``torch.compile`` mode ``reduce-overhead``: CUDA graphs) on a GPU, so
-    a step is one graph replay; prompts are then left-padded to a multiple of ``STATIC_WIDTH_MULTIPLE`` tokens so
-    that the batches of a shard share a few shapes and compile once each. ``auto``: ``static`` on CUDA, else
+    a step is one graph replay; prompts are then left-padded to ``static_width`` tokens so that the batches of a
+    shard share a few shapes, each compiled once. ``auto``: ``static`` on CUDA, else
     ``dynamic`` (on CPU nothing is compiled and the static cache only costs its preallocation). Greedy outputs are
     the same with either cache up to the rounding of the dtype. ``benchmarks/regenerate.py`` measures both.
     Raises ``ValueError`` for another ``cache``.
@@ -118,7 +125,7 @@ class TransformersBackend:
             idx = order[b:b + self.batch_size]
             width = max(len(prompts[i]) for i in idx)
             if self.cache == "static":
-                width = -(-width // STATIC_WIDTH_MULTIPLE) * STATIC_WIDTH_MULTIPLE
+                width = static_width(width)
             ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
             att = torch.zeros_like(ids)
             for r, i in enumerate(idx):

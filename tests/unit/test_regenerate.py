@@ -162,7 +162,7 @@ def test_vllm_backend_sends_token_prompts_and_cuts_at_stop(monkeypatch):
 
 
 def test_the_static_cache_generates_what_the_dynamic_cache_does_in_float32():
-    """Greedy continuations of prompts of unequal lengths (left-padded, the static form to a multiple of 64) are the
+    """Greedy continuations of prompts of unequal lengths (left-padded, the static form to a power of two) are the
     same with transformers' StaticCache as with its DynamicCache; a cache name outside CACHES is refused."""
     from tests.support import stdlib_prompts
     prompts = stdlib_prompts(["difflib.py", "difflib.py", "difflib.py"], 40, [17, 70, 33])
