@@ -36,6 +36,7 @@ and device synchronisations.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -51,6 +52,7 @@ from specring.shared.config import DEFAULT_TARGET, TrainerConfig  # noqa: E402
 from specring.shared.drafters.eagle3 import Eagle3Family  # noqa: E402
 from specring.shared.drafters.eagle3_ttt_reference import reference_eagle3_loss  # noqa: E402
 from specring.shared.models.eagle3 import Eagle3Config, build_draft_vocab  # noqa: E402
+from specring.shared.transport.slot_batch import SlotBatch  # noqa: E402
 
 FORMS = ("batched", "batched+compile", "reference")
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
@@ -62,23 +64,24 @@ class ReferenceEagle3Family(Eagle3Family):
     ttt_loss = staticmethod(reference_eagle3_loss)
 
 
-def make_batch(dcfg: Eagle3Config, seqs: int, seq_len: int, topk: int, device, dtype, seed: int = 1):
+def make_batch(dcfg: Eagle3Config, seqs: int, seq_len: int, topk: int, device, dtype, seed: int = 1) -> SlotBatch:
     """A packed batch of ``seqs`` sequences of ``seq_len`` random tokens: ``hidden [T, 3*Ht]`` (``dtype``),
     ``input_ids``/``target_ids [T] int32``, ``loss_mask [T] uint8`` (ones), ``cu_seqlens`` on the host and,
     with ``topk``, ``target_topk_ids [T, topk] int32`` / ``target_topk_logprobs [T, topk] float32``."""
     t = seqs * seq_len
     g = torch.Generator().manual_seed(seed)
     v = dcfg.vocab_size
-    batch = {
-        "hidden": torch.randn(t, 3 * dcfg.target_hidden_size, generator=g).to(device=device, dtype=dtype),
-        "input_ids": torch.randint(4, v, (t,), generator=g, dtype=torch.int32).to(device),
-        "loss_mask": torch.ones(t, dtype=torch.uint8, device=device),
-        "cu_seqlens": torch.arange(0, t + 1, seq_len, dtype=torch.int32),
-        "target_ids": torch.randint(4, v, (t,), generator=g, dtype=torch.int32).to(device),
-    }
+    batch = SlotBatch(
+        hidden=torch.randn(t, 3 * dcfg.target_hidden_size, generator=g).to(device=device, dtype=dtype),
+        input_ids=torch.randint(4, v, (t,), generator=g, dtype=torch.int32).to(device),
+        loss_mask=torch.ones(t, dtype=torch.uint8, device=device),
+        cu_seqlens=torch.arange(0, t + 1, seq_len, dtype=torch.int32),
+        target_ids=torch.randint(4, v, (t,), generator=g, dtype=torch.int32).to(device),
+    )
     if topk:
-        batch["target_topk_ids"] = torch.randint(4, v, (t, topk), generator=g, dtype=torch.int32).to(device)
-        batch["target_topk_logprobs"] = torch.log_softmax(torch.randn(t, topk, generator=g) * 3, -1).to(device)
+        batch = dataclasses.replace(
+            batch, target_topk_ids=torch.randint(4, v, (t, topk), generator=g, dtype=torch.int32).to(device),
+            target_topk_logprobs=torch.log_softmax(torch.randn(t, topk, generator=g) * 3, -1).to(device))
     return batch
 
 

@@ -29,6 +29,7 @@ from specring.shared.models.layer_ids import resolve_layer_ids  # noqa: E402
 from specring.shared.models.target import load_target  # noqa: E402
 from specring.shared.paths import DEFAULT_TARGET  # noqa: E402
 from specring.shared.transport import layout, ring  # noqa: E402
+from specring.shared.transport.slot_batch import SlotBatch  # noqa: E402
 
 
 def plan_batches(data: str | None, max_tokens: int, max_batch_size: int, count: int, pad_id: int = 0) -> list[dict]:
@@ -84,7 +85,7 @@ class ProducerStage:
                                  topk=t.resolved_distill_topk())
         self.seq = 0
 
-    def run(self, batches: list[dict], keep: bool = False) -> tuple[float, list[dict]]:
+    def run(self, batches: list[dict], keep: bool = False) -> tuple[float, list[SlotBatch]]:
         """Seconds to produce ``batches`` (and their payloads, copied out of the ring, with ``keep``)."""
         prod, r = self.producer, self.ring
         kept = []
@@ -102,11 +103,12 @@ class ProducerStage:
         return _now() - t0, kept
 
     @staticmethod
-    def _publish(prod, r, pending, keep: bool) -> list[dict]:
+    def _publish(prod, r, pending, keep: bool) -> list[SlotBatch]:
         msg = prod.complete(pending)
         out = []
         if keep:
-            out.append({k: v.clone() for k, v in layout.read_tensors(r.payload(msg.slot), msg.descriptor).items()})
+            views = SlotBatch.from_tensors(layout.read_tensors(r.payload(msg.slot), msg.descriptor))
+            out.append(views.to("cpu", copy=True))
         r.mark_empty(msg.slot)
         return out
 

@@ -53,8 +53,7 @@ def inprocess(args) -> float:
         try:
             for b in batches:
                 _, (payload,) = stage.run([b], keep=True)
-                q.put({k: (v if k == "cu_seqlens" else v.to(args.consumers, non_blocking=True))
-                       for k, v in payload.items()})
+                q.put(payload.to(args.consumers, non_blocking=True))  # cu_seqlens stays on the host
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             failed.append(e)
         finally:
@@ -81,7 +80,7 @@ def _train(args, cfg, q, produce, failed) -> float:
                 sync(args.consumers)
                 t0 = time.perf_counter()  # from the first optimizer step, as the supervisor counts
             else:
-                tokens += int(batch["input_ids"].shape[0])
+                tokens += batch.num_tokens
             i += 1
         sync(args.consumers)
         th.join()

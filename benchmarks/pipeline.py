@@ -68,7 +68,7 @@ def stage_rates(args) -> tuple[float, float, int]:
         stage.close()
     dev = args.consumers[0]
     role_threads("consumer", dev)  # alone on the machine, the consumer's tuner keeps all of its cores
-    on_dev = [{k: (v if k == "cu_seqlens" else v.to(dev)) for k, v in p.items()} for p in payloads]
+    on_dev = [p.to(dev) for p in payloads]  # cu_seqlens stays on the host
     with tempfile.TemporaryDirectory() as tmp:
         trainer = make_trainer(cfg, dev, tmp)
         trainer.warm_up()

@@ -55,30 +55,32 @@ from specring.shared.config import DEFAULT_TARGET, TrainerConfig  # noqa: E402
 from specring.shared.drafters.dflash import anchor_seed  # noqa: E402
 from specring.shared.drafters.dflash_blocks import sample_anchors  # noqa: E402
 from specring.shared.models.dflash import DFlashConfig  # noqa: E402
+from specring.shared.transport.slot_batch import SlotBatch  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.4
 
 
-def make_batch(dcfg: DFlashConfig, seqs: int, seq_len: int, device, dtype, seed: int = 1) -> dict[str, torch.Tensor]:
+def make_batch(dcfg: DFlashConfig, seqs: int, seq_len: int, device, dtype, seed: int = 1) -> SlotBatch:
     """A packed batch of ``seqs`` sequences of ``seq_len`` random tokens with random hidden states (and random
     ``target_ids``, the labels of the default ``label_source=target``)."""
     t = seqs * seq_len
     n, h = dcfg.num_target_layers, dcfg.hidden_size
     g = torch.Generator().manual_seed(seed)
-    return {
-        "hidden": torch.randn(t, n * h, generator=g).to(device=device, dtype=dtype),
-        "input_ids": torch.randint(4, dcfg.vocab_size, (t,), generator=g, dtype=torch.int32).to(device),
-        "loss_mask": torch.ones(t, dtype=torch.uint8, device=device),
-        "cu_seqlens": torch.arange(0, t + 1, seq_len, dtype=torch.int32),
-        "target_ids": torch.randint(4, dcfg.vocab_size, (t,), generator=g, dtype=torch.int32).to(device),
-    }
+    return SlotBatch(
+        hidden=torch.randn(t, n * h, generator=g).to(device=device, dtype=dtype),
+        input_ids=torch.randint(4, dcfg.vocab_size, (t,), generator=g, dtype=torch.int32).to(device),
+        loss_mask=torch.ones(t, dtype=torch.uint8, device=device),
+        cu_seqlens=torch.arange(0, t + 1, seq_len, dtype=torch.int32),
+        target_ids=torch.randint(4, dcfg.vocab_size, (t,), generator=g, dtype=torch.int32).to(device),
+    )
 
 
-def step_flops(dcfg: DFlashConfig, batch: dict, num_anchors: int, seed: int, batch_ids: list[int]) -> tuple[float, int]:
+def step_flops(dcfg: DFlashConfig, batch: SlotBatch, num_anchors: int, seed: int,
+               batch_ids: list[int]) -> tuple[float, int]:
     """Model FLOPs of one step on ``batch`` (module docstring) and its draft positions ``A*B``."""
     b = dcfg.block_size
     gen = torch.Generator().manual_seed(anchor_seed(seed, batch_ids))
-    lm, cu = batch["loss_mask"].cpu(), batch["cu_seqlens"].cpu().long()
+    lm, cu = batch.loss_mask.cpu(), batch.cu_seqlens.cpu().long()
     anchors = sample_anchors(lm, cu, num_anchors, b, gen)
     starts = cu[torch.searchsorted(cu[1:], anchors, right=True)]
     a = anchors.numel()

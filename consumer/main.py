@@ -50,6 +50,7 @@ from specring.shared.procs import ChildContext, child_main
 from specring.shared.transport import messages as m
 from specring.shared.transport.layout import read_tensors
 from specring.shared.transport.ring import Ring
+from specring.shared.transport.slot_batch import SlotBatch
 
 log = logging.getLogger("consumer")
 
@@ -64,12 +65,14 @@ class SlotReader:
         self.device = device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def copy_in(self, msg: m.SlotReady, check=None) -> dict[str, torch.Tensor]:
-        """Verified copy of the slot ``msg`` names; raises ``SlotError``/``MessageError`` naming the problem.
+    def copy_in(self, msg: m.SlotReady, check=None) -> SlotBatch:
+        """Verified copy of the slot ``msg`` names; raises ``SlotError``/``MessageError`` naming the problem (a
+        payload that is not a ``shared.transport.slot_batch.SlotBatch``: ``SlotBatch.from_tensors``).
 
-        ``check(views)``, when given, validates the payload on the host views before anything is copied (it
-        raises to refuse the batch). Returns ``{name: tensor on device}``, except ``cu_seqlens``, which stays a
-        small host tensor (the trainer reads it on the host); when it returns, the slot may be released.
+        ``check(views)``, when given, validates the payload (a ``SlotBatch`` of host views) before anything is
+        copied (it raises to refuse the batch). Returns a ``SlotBatch`` of tensors on the device, except
+        ``cu_seqlens``, which stays a small host tensor (the trainer reads it on the host); when it returns, the
+        slot may be released.
         """
         if not 0 <= msg.producer < len(self.rings):
             raise SlotError(f"SlotReady names producer {msg.producer}; there are {len(self.rings)} rings")
@@ -78,19 +81,18 @@ class SlotReader:
         if h.payload_len != msg.payload_bytes:
             raise SlotError(f"slot {msg.slot} of producer {msg.producer}: header payload {h.payload_len} B, "
                             f"message {msg.payload_bytes} B")
-        views = read_tensors(ring.payload(msg.slot), msg.descriptor)
+        views = SlotBatch.from_tensors(read_tensors(ring.payload(msg.slot), msg.descriptor))
         if check is not None:
             check(views)
         if self.stream is None:
-            return {k: v.clone() for k, v in views.items()}
+            return views.to(self.device, copy=True)  # clones: nothing aliases the slot
         with torch.cuda.stream(self.stream):
-            out = {k: (v.clone() if k == "cu_seqlens" else v.to(self.device, non_blocking=True))
-                   for k, v in views.items()}
+            out = views.to(self.device, non_blocking=True, copy=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         done.synchronize()  # the copy has landed: the slot may be released, the views dropped
         main = torch.cuda.current_stream(self.device)
-        for t in out.values():
+        for t in out.to_tensors().values():
             if t.is_cuda:
                 t.record_stream(main)
         return out

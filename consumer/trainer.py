@@ -35,7 +35,7 @@ import os
 import random
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -46,12 +46,11 @@ from specring.shared.config import RunConfig, TrainerConfig
 from specring.shared.drafters import family_of, get_family
 from specring.shared.drafters.contract import ObjectiveContext, StepStats
 from specring.shared.drafters.linear_ce import resolve_linear_ce
-from specring.shared.errors import BadBatch
+from specring.shared.errors import BadBatch, MessageError
+from specring.shared.transport.slot_batch import SlotBatch
 
 logger = logging.getLogger(__name__)
 
-BATCH_KEYS = ("hidden", "input_ids", "loss_mask", "cu_seqlens")
-TARGET_LABEL_KEYS = ("target_ids", "target_topk_ids", "target_topk_logprobs")
 CPU_MAX_MASK_ELEMS = 2 ** 20  # a CPU consumer's max_mask_elems: small groups, no work on other sequences' context
 
 
@@ -70,19 +69,28 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: floa
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def check_batch(batch: dict[str, torch.Tensor], dcfg, label_source: str = "data") -> int:
-    """Validate a packed batch; return its token count ``T``. Raises ``BadBatch`` naming the field.
+def as_batch(batch: SlotBatch | Mapping[str, torch.Tensor]) -> SlotBatch:
+    """``batch`` as a ``SlotBatch`` (``SlotBatch.of``: a mapping of its field names is accepted, for in-process
+    callers); raises ``BadBatch`` naming an unknown or missing field."""
+    try:
+        return SlotBatch.of(batch)
+    except MessageError as e:
+        raise BadBatch(str(e)) from None
+
+
+def check_batch(batch: SlotBatch | Mapping[str, torch.Tensor], dcfg, label_source: str = "data") -> int:
+    """Validate a packed batch (a ``SlotBatch``, or a mapping of its field names); return its token count ``T``.
+    Raises ``BadBatch`` naming the field.
 
     The checks read ``cu_seqlens`` and ``input_ids`` on the host: free for the CPU tensors a consumer hands
     over before its copy lands, one synchronisation for device tensors. ``label_source="target"`` also needs
     ``target_ids [T]`` (the producer's greedy next tokens).
     """
-    for k in BATCH_KEYS + (("target_ids",) if label_source == "target" else ()):
-        if k not in batch:
-            raise BadBatch(f"batch: field {k!r} missing (have {sorted(batch)})"
-                           + (" (label_source=target needs the producer to send target_ids)"
-                              if k == "target_ids" else ""))
-    hidden, ids, lm, cu = (batch[k] for k in BATCH_KEYS)
+    batch = as_batch(batch)
+    if label_source == "target" and batch.target_ids is None:
+        raise BadBatch(f"batch: field 'target_ids' missing (have {sorted(batch.to_tensors())}) (label_source=target "
+                       f"needs the producer to send target_ids)")
+    hidden, ids, lm, cu = batch.hidden, batch.input_ids, batch.loss_mask, batch.cu_seqlens
     t = ids.shape[0]
     feature = getattr(dcfg, "target_hidden_size", dcfg.hidden_size)  # the target's width (EAGLE-3 records it)
     width = dcfg.num_target_layers * feature
@@ -91,16 +99,17 @@ def check_batch(batch: dict[str, torch.Tensor], dcfg, label_source: str = "data"
                        f"({dcfg.num_target_layers} layers x {feature})")
     if ids.dim() != 1 or lm.shape != ids.shape:
         raise BadBatch(f"batch: input_ids {tuple(ids.shape)} and loss_mask {tuple(lm.shape)} must be equal 1-D")
-    for k in TARGET_LABEL_KEYS:
-        if k in batch and batch[k].shape[0] != t:
-            raise BadBatch(f"batch: {k} has {batch[k].shape[0]} rows, input_ids {t}")
+    for k in SlotBatch.TARGET_LABELS:
+        label = getattr(batch, k)
+        if label is not None and label.shape[0] != t:
+            raise BadBatch(f"batch: {k} has {label.shape[0]} rows, input_ids {t}")
     cu = cu.detach().cpu()
     if cu.dim() != 1 or cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != t or bool((cu[1:] < cu[:-1]).any()):
         raise BadBatch(f"batch: cu_seqlens must run from 0 to {t} without decreasing, got "
                        f"{cu.tolist()[:4]}...{cu.tolist()[-2:]}")
-    for k in ("input_ids", "target_ids"):
-        if k in batch and t:
-            lo, hi = (int(x) for x in batch[k].detach().aminmax())
+    for k, tokens in (("input_ids", ids), ("target_ids", batch.target_ids)):
+        if tokens is not None and t:
+            lo, hi = (int(x) for x in tokens.detach().aminmax())
             if lo < 0 or hi >= dcfg.vocab_size:
                 raise BadBatch(f"batch: {k} outside 0..{dcfg.vocab_size - 1} (min {lo}, max {hi})")
     return t
@@ -200,12 +209,13 @@ class Trainer:
         self._window_ids: list[int] = []
         self._window_t0: float | None = None
 
-    def _forward_backward(self, batch: dict[str, torch.Tensor], batch_ids: list[int],
+    def _forward_backward(self, batch: SlotBatch | Mapping[str, torch.Tensor], batch_ids: list[int],
                           backward: bool = True, checked: bool = False) -> StepStats:
         """Forward (+ backward) of one micro-batch through the family's objective; returns its local statistics.
         The batch is checked on the host copies of its small fields unless ``checked``; the statistics stay on
         the device until the optimizer step reads them."""
-        t = batch["input_ids"].shape[0] if checked else check_batch(batch, self.dcfg, self.cfg.label_source)
+        batch = as_batch(batch)
+        t = batch.num_tokens if checked else check_batch(batch, self.dcfg, self.cfg.label_source)
         self.objective_ctx.attention = self.attention
         return self.family.objective(self.objective_ctx, batch, batch_ids, t, backward)
 
@@ -241,12 +251,11 @@ class Trainer:
         n = 2 * self.cfg.block_size + 2
         width = self.dcfg.num_target_layers * getattr(self.dcfg, "target_hidden_size", self.dcfg.hidden_size)
         token = self.family.warm_up_token(self.dcfg)
-        batch = {"hidden": torch.zeros(2 * n, width, device=self.device),
-                 "input_ids": torch.full((2 * n,), token, dtype=torch.int32, device=self.device),
-                 "loss_mask": torch.ones(2 * n, dtype=torch.uint8, device=self.device),
-                 "cu_seqlens": torch.tensor([0, n, 2 * n], dtype=torch.int32)}
-        if self.cfg.label_source == "target":
-            batch["target_ids"] = batch["input_ids"].clone()
+        ids = torch.full((2 * n,), token, dtype=torch.int32, device=self.device)
+        batch = SlotBatch(hidden=torch.zeros(2 * n, width, device=self.device), input_ids=ids,
+                          loss_mask=torch.ones(2 * n, dtype=torch.uint8, device=self.device),
+                          cu_seqlens=torch.tensor([0, n, 2 * n], dtype=torch.int32),
+                          target_ids=ids.clone() if self.cfg.label_source == "target" else None)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             self._forward_backward(batch, [-1], checked=True)
         self.optimizer.zero_grad(set_to_none=True)
@@ -254,13 +263,14 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ public step
-    def step(self, batch: dict[str, torch.Tensor], batch_ids: list[int], checked: bool = False) -> dict[str, Any]:
-        """Train on one packed micro-batch (``hidden [T, n*H]``, ``input_ids [T] int32``, ``loss_mask [T]
-        uint8``, ``cu_seqlens [S+1] int32``; with ``label_source="target"`` also ``target_ids [T] int32`` and,
-        with ``distill_topk``, ``target_topk_ids``/``target_topk_logprobs [T, K]``; see
-        ``shared.transport.layout.slot_payload_specs``) identified by ``batch_ids``. Tensors may be on the host or the
-        device; ``checked=True`` says ``check_batch`` already passed (the consumer runs it on the slot's host
-        views before the copy).
+    def step(self, batch: SlotBatch | Mapping[str, torch.Tensor], batch_ids: list[int],
+             checked: bool = False) -> dict[str, Any]:
+        """Train on one packed micro-batch, a ``shared.transport.slot_batch.SlotBatch`` (``hidden [T, n*H]``,
+        ``input_ids [T] int32``, ``loss_mask [T] uint8``, ``cu_seqlens [S+1] int32``; with ``label_source="target"``
+        also ``target_ids [T] int32`` and, with ``distill_topk``, ``target_topk_ids``/``target_topk_logprobs [T,
+        K]``) or a mapping of its field names (tests, benchmarks), identified by ``batch_ids``. Tensors may be on
+        the host or the device; ``checked=True`` says ``check_batch`` already passed (the consumer runs it on the
+        slot's host views before the copy).
 
         Every ``grad_accum``-th call takes the optimizer step (all ranks must call ``step`` the same
         number of times) and returns the window's group-wide metrics with ``optimizer_step=True`` and

@@ -3,8 +3,8 @@
 ``Producer`` holds no socket and starts no process; ``producers/main.py`` wraps it in the DEALER loop. A
 test steps it in-process with ``run_batch(batch, slot, seq)``, which returns the message to send.
 
-Slot payload: ``shared.transport.layout.slot_payload_specs`` declares it (names, dtypes, shapes, in write order); each
-tensor starts at a 64-byte aligned offset and the exact offsets, dtypes and shapes travel as
+Slot payload: a ``shared.transport.slot_batch.SlotBatch`` (its ``SPECS`` declare names, dtypes, shapes, in write
+order); each tensor starts at a 64-byte aligned offset and the exact offsets, dtypes and shapes travel as
 ``SlotReady.descriptor``. Only real tokens are stored: padding is dropped, and the ``B`` sequences of the batch
 are packed back to back in the order of the lease's ``sample_ids``. ``hidden`` is in the target's dtype
 (bfloat16 on CUDA and float32 on CPU unless ``producer.dtype`` says else); column block ``k`` holds layer
@@ -58,6 +58,7 @@ from specring.shared.models.target import (
 )
 from specring.shared.transport import layout, messages
 from specring.shared.transport.ring import Ring
+from specring.shared.transport.slot_batch import SlotBatch
 
 log = logging.getLogger(__name__)
 
@@ -180,8 +181,7 @@ class Producer:
         return layout.payload_bytes(self._specs(num_tokens, batch_size))
 
     def _specs(self, t: int, b: int) -> dict:
-        return layout.slot_payload_specs(t, b, len(self.layer_ids), self.hidden_size, self.dtype,
-                                         self.label_source, self.topk)
+        return SlotBatch.specs(t, b, len(self.layer_ids), self.hidden_size, self.dtype, self.label_source, self.topk)
 
     # ------------------------------------------------------------------------------------------ forward
     @staticmethod
@@ -315,23 +315,22 @@ class Producer:
                 hidden[0, 0] = float("nan")
                 log.warning("inject nonfinite batch_id=%d", bid)
             finite = torch.isfinite(hidden).all()
-        host = {
-            "hidden": hidden,
-            "input_ids": ids.reshape(-1)[flat].to(torch.int32),
-            "loss_mask": lm.reshape(-1)[flat].to(torch.uint8),
-            "cu_seqlens": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32),
-            "batch_id": torch.tensor([bid], dtype=torch.int64),
-            "layer_ids": torch.tensor(self.layer_ids, dtype=torch.int32),
-        }
+        next_ids = tk_ids = tk_lp = None
         if self.lm_head is not None:
             with torch.inference_mode():
                 next_ids, tk_ids, tk_lp = greedy_next_tokens(self.normed, self.lm_head, self.topk)
                 next_ids, tk_ids, tk_lp = (None if x is None else x.to(self.device) for x in (next_ids, tk_ids, tk_lp))
             self.normed = None
-            host["target_ids"] = next_ids
-            if self.topk:
-                host["target_topk_ids"], host["target_topk_logprobs"] = tk_ids, tk_lp
             pending.keep_extra = [t for t in (next_ids, tk_ids, tk_lp) if t is not None]
+        host = SlotBatch(
+            hidden=hidden,
+            input_ids=ids.reshape(-1)[flat].to(torch.int32),
+            loss_mask=lm.reshape(-1)[flat].to(torch.uint8),
+            cu_seqlens=torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32),
+            batch_id=torch.tensor([bid], dtype=torch.int64),
+            layer_ids=torch.tensor(self.layer_ids, dtype=torch.int32),
+            target_ids=next_ids, target_topk_ids=tk_ids, target_topk_logprobs=tk_lp,
+        ).to_tensors()
         buf = self.ring.begin_write(pending.slot, bid, self.generation, pending.seq)
         pending.wrote_slot = True
         if self._cuda:
@@ -379,7 +378,7 @@ class Producer:
 
     def _nonfinite_reason(self, pending: Pending) -> str:
         """Which layers hold non-finite values (read back from the slot: rare, so CPU time is fine)."""
-        hidden = layout.read_tensors(self.ring.payload(pending.slot), pending.descriptor)["hidden"]
+        hidden = SlotBatch.from_tensors(layout.read_tensors(self.ring.payload(pending.slot), pending.descriptor)).hidden
         h = self.hidden_size
         bad_ids = [lid for k, lid in enumerate(self.layer_ids)
                    if not bool(torch.isfinite(hidden[:, k * h:(k + 1) * h]).all())]

@@ -27,6 +27,7 @@ from specring.shared.models.layer_ids import describe_capture, layer_kinds
 from specring.shared.models.target_config import read_target_config, text_config
 from specring.shared.transport import layout
 from specring.shared.transport.ring import PAGE, segment_bytes, shm_free_bytes
+from specring.shared.transport.slot_batch import SlotBatch
 
 log = logging.getLogger(__name__)
 
@@ -124,9 +125,9 @@ def target_shape(target: str) -> dict:
 
 def slot_bytes_for(max_real_tokens: int, max_batch_size: int, num_layers: int, hidden: int, dtype: torch.dtype,
                    label_source: str = "data", topk: int = 0) -> int:
-    """Bytes of the largest payload (``shared.transport.layout.slot_payload_specs``) with ``hidden`` in ``dtype``,
+    """Bytes of the largest payload (``shared.transport.slot_batch.SlotBatch.specs``) with ``hidden`` in ``dtype``,
     rounded up to 4 KiB."""
-    specs = layout.slot_payload_specs(max_real_tokens, max_batch_size, num_layers, hidden, dtype, label_source, topk)
+    specs = SlotBatch.specs(max_real_tokens, max_batch_size, num_layers, hidden, dtype, label_source, topk)
     need = layout.payload_bytes(specs)
     return (need + PAGE - 1) // PAGE * PAGE
 

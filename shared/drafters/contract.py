@@ -27,6 +27,7 @@ from torch import nn
 
 if TYPE_CHECKING:  # typing only: the config module does not import the drafters
     from specring.shared.config import RunConfig, TrainerConfig
+    from specring.shared.transport.slot_batch import SlotBatch
 
 # name -> what it sums; every family's layout has these (scalars)
 COMMON_STATS = {
@@ -186,11 +187,12 @@ class DrafterFamily(ABC):
         """``name -> elements`` of the statistics ``objective`` sums (``COMMON_STATS`` included)."""
 
     @abstractmethod
-    def objective(self, ctx: ObjectiveContext, batch: dict[str, torch.Tensor], batch_ids: list[int], t: int,
+    def objective(self, ctx: ObjectiveContext, batch: "SlotBatch", batch_ids: list[int], t: int,
                   backward: bool) -> StepStats:
-        """Forward (and, with ``backward``, backward) of one checked micro-batch (``hidden [T, F]``,
-        ``input_ids [T]``, ``loss_mask [T]``, ``cu_seqlens [S+1]``, optional target labels; host or device);
-        returns its statistics. The gradient left in the parameters is that of ``loss_sum``."""
+        """Forward (and, with ``backward``, backward) of one checked micro-batch (a
+        ``shared.transport.slot_batch.SlotBatch``: ``hidden [T, F]``, ``input_ids [T]``, ``loss_mask [T]``,
+        ``cu_seqlens [S+1]``, optional target labels; host or device); returns its statistics. The gradient left in
+        the parameters is that of ``loss_sum``."""
 
     @abstractmethod
     def step_metrics(self, sums: dict[str, Any]) -> dict[str, Any]:

@@ -44,8 +44,6 @@ from specring.shared.models.draft_attention import (
     build_flex_mask,
 )
 
-TARGET_LABEL_KEYS = ("target_ids", "target_topk_ids", "target_topk_logprobs")
-
 
 def anchor_seed(seed: int, batch_ids: list[int]) -> int:
     """63-bit generator seed from the run seed and the batch ids (stable across processes and versions)."""
@@ -167,12 +165,10 @@ class DFlashFamily(DrafterFamily):
         synchronisation is the anchor count (``sample_anchors``)."""
         tc, dev, b = ctx.tcfg, ctx.device, ctx.tcfg.block_size
         model = ctx.model
-        hidden = to_device(batch["hidden"], dev)
-        ids = to_device(batch["input_ids"], dev)
-        lm = to_device(batch["loss_mask"], dev)
-        cu_cpu = batch["cu_seqlens"].detach().cpu().long()
-        extra = {k: to_device(batch[k], dev) for k in TARGET_LABEL_KEYS if k in batch}
-        next_ids = extra.get("target_ids") if tc.label_source == "target" else None
+        on_dev = batch.map_tokens(lambda x: to_device(x, dev))
+        hidden, ids, lm = on_dev.hidden, on_dev.input_ids, on_dev.loss_mask
+        cu_cpu = batch.cu_seqlens.detach().cpu().long()
+        next_ids = on_dev.target_ids if tc.label_source == "target" else None
         gen = torch.Generator().manual_seed(anchor_seed(ctx.seed, batch_ids))
         anchors = sample_anchors(lm, cu_cpu, tc.num_anchors, b, gen)
         stats = StepStats(self.stats_layout(ctx.dcfg, tc), dev)
@@ -201,9 +197,9 @@ class DFlashFamily(DrafterFamily):
             else:
                 mask, form = layer_masks(dc, build_context_mask, bb.anchors, cu_g.to(dev), b), b
             distill = {}
-            if tc.distill_topk and "target_topk_ids" in extra:
+            if tc.distill_topk and on_dev.target_topk_ids is not None:
                 src = (bb.label_pos - 1).clamp(min=0) + lo  # the position whose next token slot k predicts
-                distill = dict(topk_ids=extra["target_topk_ids"][src], topk_logprobs=extra["target_topk_logprobs"][src],
+                distill = dict(topk_ids=on_dev.target_topk_ids[src], topk_logprobs=on_dev.target_topk_logprobs[src],
                                distill_weight=tc.distill_weight)
             with ctx.autocast:
                 h = model(bb.block_input_ids, bb.block_positions, hidden[lo:hi], bb.ctx_positions, mask,

@@ -22,8 +22,6 @@ from specring.shared.drafters.eagle3_ttt import eagle3_loss
 from specring.shared.models import layer_ids
 from specring.shared.models.eagle3 import Eagle3Config, Eagle3Drafter
 
-TARGET_LABEL_KEYS = ("target_ids", "target_topk_ids", "target_topk_logprobs")
-
 
 class Eagle3Family(DrafterFamily):
     """EAGLE-3: one decoder layer over fused low/mid/high target features, trained by training-time test."""
@@ -112,9 +110,8 @@ class Eagle3Family(DrafterFamily):
 
     def objective(self, ctx: ObjectiveContext, batch, batch_ids, t, backward) -> StepStats:
         """Training-time test over every position (``shared.drafters.eagle3_ttt.eagle3_loss``)."""
-        cu_cpu = batch["cu_seqlens"].detach().cpu().long()
-        on_dev = {k: to_device(batch[k], ctx.device) for k in ("hidden", "input_ids", "loss_mask", *TARGET_LABEL_KEYS)
-                  if k in batch}
+        cu_cpu = batch.cu_seqlens.detach().cpu().long()
+        on_dev = batch.map_tokens(lambda x: to_device(x, ctx.device))
         stats = StepStats(self.stats_layout(ctx.dcfg, ctx.tcfg), ctx.device)
         stats["num_tokens"] += t
         with ctx.autocast:

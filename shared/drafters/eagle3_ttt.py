@@ -28,6 +28,7 @@ import torch
 
 from specring.shared.drafters.dflash_blocks import to_device
 from specring.shared.models.eagle3 import Eagle3Drafter, PaddedLayout, draft_to_target, target_to_draft
+from specring.shared.transport.slot_batch import SlotBatch
 
 
 def ttt_inputs(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, steps: int):
@@ -85,14 +86,15 @@ def soft_cross_entropy(logits: torch.Tensor, idx: torch.Tensor, p: torch.Tensor)
     return _SoftCrossEntropy.apply(logits, idx, p)
 
 
-def eagle3_loss(model: Eagle3Drafter, batch: dict[str, torch.Tensor], cu_cpu: torch.Tensor, label_source: str,
+def eagle3_loss(model: Eagle3Drafter, batch: SlotBatch, cu_cpu: torch.Tensor, label_source: str,
                 backward: bool) -> tuple[torch.Tensor, ...]:
     """Forward (+ backward) of one micro-batch; returns ``(weighted_loss, weight_sum, correct [K], counted [K],
     accept_sum, num_positions)`` (device tensors; the loss detached after backward).
 
-    ``batch``: ``hidden [T, 3*Ht]``, ``input_ids [T]``, ``loss_mask [T]`` and, for ``label_source="target"``,
-    ``target_ids [T]`` (optionally ``target_topk_ids``/``target_topk_logprobs [T, K']``), on the model's device;
-    ``cu_cpu [S+1]`` on the host. Raises ``ValueError`` for an empty batch.
+    ``batch``: a ``shared.transport.slot_batch.SlotBatch`` whose ``hidden [T, 3*Ht]``, ``input_ids [T]``,
+    ``loss_mask [T]`` and, for ``label_source="target"``, ``target_ids [T]`` (optionally
+    ``target_topk_ids``/``target_topk_logprobs [T, K']``) are on the model's device; ``cu_cpu [S+1]`` on the
+    host (its ``cu_seqlens`` is not read). Raises ``ValueError`` for an empty batch.
 
     Batched over the TTT steps wherever they do not depend on each other: the labels, masks and renormalised
     top-K soft targets are built once for all positions and gathered per step, the LM head, the cross-entropy
@@ -102,21 +104,21 @@ def eagle3_loss(model: Eagle3Drafter, batch: dict[str, torch.Tensor], cu_cpu: to
     ``eagle3_ttt_reference.reference_eagle3_loss`` (``tests/unit/test_eagle3_batched.py``).
     """
     cfg = model.config
-    dev = batch["input_ids"].device
-    ids, lm = batch["input_ids"].long(), batch["loss_mask"].bool()
+    dev = batch.input_ids.device
+    ids, lm = batch.input_ids.long(), batch.loss_mask.bool()
     step_ids, pred, inside, _ = ttt_inputs(ids, cu_cpu, cfg.ttt_steps)
-    outs = model.ttt_forward(step_ids, cu_cpu, batch["hidden"], PaddedLayout.of(cu_cpu, dev))   # [K, T, H]
+    outs = model.ttt_forward(step_ids, cu_cpu, batch.hidden, PaddedLayout.of(cu_cpu, dev))   # [K, T, H]
     d2t_full = draft_to_target(model.d2t)
     t2d_index = target_to_draft(model.d2t, cfg.vocab_size)
     src = pred - 1                                                      # the position whose next token is predicted
-    label = batch["target_ids"].long()[src] if label_source == "target" else ids[pred]       # [K, T]
+    label = batch.target_ids.long()[src] if label_source == "target" else ids[pred]         # [K, T]
     draft_label = t2d_index[label]
     valid = inside & lm[pred]
     carries = valid & (draft_label >= 0)
     logits = model.logits(outs)                                         # [K, T, Vd]
-    if "target_topk_ids" in batch and label_source == "target":
-        tk = t2d_index[batch["target_topk_ids"].long()]                 # [T, K'] draft ids or -1
-        lp = batch["target_topk_logprobs"].float().masked_fill(tk < 0, float("-inf"))
+    if batch.target_topk_ids is not None and label_source == "target":
+        tk = t2d_index[batch.target_topk_ids.long()]                    # [T, K'] draft ids or -1
+        lp = batch.target_topk_logprobs.float().masked_fill(tk < 0, float("-inf"))
         p = torch.softmax(lp, dim=-1).nan_to_num(0.0)                  # renormalised over the draft vocabulary
         ce = soft_cross_entropy(logits, tk.clamp(min=0)[src], p[src])  # [K, T]
     else:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from specring.shared.models.eagle3 import Eagle3Drafter, draft_to_target, eagle3_attention, target_to_draft
+from specring.shared.transport.slot_batch import SlotBatch
 
 
 def reference_ttt_inputs(input_ids: torch.Tensor, cu_seqlens: torch.Tensor, steps: int):
@@ -63,16 +64,16 @@ def reference_ttt_forward(model: Eagle3Drafter, step_ids: list[torch.Tensor], po
     return outs
 
 
-def reference_eagle3_loss(model: Eagle3Drafter, batch: dict[str, torch.Tensor], cu_cpu: torch.Tensor,
+def reference_eagle3_loss(model: Eagle3Drafter, batch: SlotBatch, cu_cpu: torch.Tensor,
                           label_source: str, backward: bool):
     """The loss of ``eagle3_ttt.eagle3_loss`` (same arguments and returns), one TTT step at a time."""
     cfg = model.config
-    ids, lm = batch["input_ids"].long(), batch["loss_mask"].bool()
+    ids, lm = batch.input_ids.long(), batch.loss_mask.bool()
     step_ids, pred, inside, positions = reference_ttt_inputs(ids, cu_cpu, cfg.ttt_steps)
-    outs = reference_ttt_forward(model, step_ids, positions, cu_cpu, batch["hidden"])
+    outs = reference_ttt_forward(model, step_ids, positions, cu_cpu, batch.hidden)
     d2t_full = draft_to_target(model.d2t)
     t2d_index = target_to_draft(model.d2t, cfg.vocab_size)
-    topk = "target_topk_ids" in batch and label_source == "target"
+    topk = batch.target_topk_ids is not None and label_source == "target"
     total = torch.zeros((), dtype=torch.float32, device=ids.device)
     weight_sum = torch.zeros((), dtype=torch.float32, device=ids.device)
     hits = []
@@ -80,14 +81,14 @@ def reference_eagle3_loss(model: Eagle3Drafter, batch: dict[str, torch.Tensor], 
     for k, h in enumerate(outs):
         valid = inside[k] & lm[pred[k]]
         src = pred[k] - 1
-        label = batch["target_ids"].long()[src] if label_source == "target" else ids[pred[k]]
+        label = batch.target_ids.long()[src] if label_source == "target" else ids[pred[k]]
         draft_label = t2d_index[label]
         carries = valid & (draft_label >= 0)
         w = float(cfg.ttt_decay ** k)
         logq = torch.log_softmax(model.logits(h).float(), dim=-1)
         if topk:
-            tk = t2d_index[batch["target_topk_ids"].long()[src]]
-            lp = batch["target_topk_logprobs"].float()[src].masked_fill(tk < 0, float("-inf"))
+            tk = t2d_index[batch.target_topk_ids.long()[src]]
+            lp = batch.target_topk_logprobs.float()[src].masked_fill(tk < 0, float("-inf"))
             p = torch.softmax(lp, dim=-1).nan_to_num(0.0)
             ce = -(p * logq.gather(1, tk.clamp(min=0))).sum(-1)
         else:

@@ -10,6 +10,9 @@ views on the buffer (no copy), so a reader that keeps them must copy before the 
 
 Supported dtypes: every dtype in ``shared.devices.DTYPES`` (bool, the integer types, float16/32/64, bfloat16,
 complex64/128). Shapes of any rank, zero-sized dimensions included.
+
+Which tensors a producer's slot holds (names, dtypes, shapes, write order) is declared once, by
+``shared.transport.slot_batch.SlotBatch``; this module lays out any named tensors.
 """
 
 from __future__ import annotations
@@ -24,35 +27,6 @@ from specring.shared.errors import MessageError, PayloadTooLarge
 ALIGN = 64
 
 Descriptor = list  # [[name, dtype_name, shape_list, offset], ...]
-
-
-def slot_payload_specs(num_tokens: int, num_seqs: int, num_layers: int, hidden_size: int,
-                       hidden_dtype: torch.dtype, label_source: str = "data",
-                       topk: int = 0) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The one declaration of a producer's slot payload, ``{name: (dtype, shape)}`` in write order.
-
-    Used by the producer (what it writes), the run plan (how large a slot must be) and the trainer (which
-    fields a batch has). ``T = num_tokens`` real tokens of ``S = num_seqs`` sequences, ``n`` captured layers
-    of width ``H``:
-
-    * ``hidden [T, n*H]`` ``hidden_dtype``: layer ``layer_ids[k]``'s output in columns ``[k*H, (k+1)*H)``;
-    * ``input_ids [T]`` int32; ``loss_mask [T]`` uint8; ``cu_seqlens [S+1]`` int32; ``batch_id [1]`` int64;
-      ``layer_ids [n]`` int32;
-    * with ``label_source="target"``: ``target_ids [T]`` int32, the target's greedy next token after each
-      position (argmax of its LM head);
-    * with ``topk > 0`` as well: ``target_topk_ids [T, K]`` int32 and ``target_topk_logprobs [T, K]``
-      float32, its ``K`` most likely next tokens and their log-probabilities.
-    """
-    t, n = int(num_tokens), int(num_layers)
-    specs = {"hidden": (hidden_dtype, (t, n * int(hidden_size))), "input_ids": (torch.int32, (t,)),
-             "loss_mask": (torch.uint8, (t,)), "cu_seqlens": (torch.int32, (int(num_seqs) + 1,)),
-             "batch_id": (torch.int64, (1,)), "layer_ids": (torch.int32, (n,))}
-    if label_source == "target":
-        specs["target_ids"] = (torch.int32, (t,))
-        if topk:
-            specs["target_topk_ids"] = (torch.int32, (t, int(topk)))
-            specs["target_topk_logprobs"] = (torch.float32, (t, int(topk)))
-    return specs
 
 
 def _align(n: int) -> int:

@@ -15,6 +15,7 @@ from specring.shared.drafters.dflash_blocks import IGNORE, block_loss, dpace_wei
 from specring.shared.models.dflash import DFlashConfig
 from specring.shared.models.dflash2 import DFlash2Config
 from specring.shared.models.eagle3 import Eagle3Config
+from specring.shared.transport.slot_batch import SlotBatch
 
 
 def test_step_stats_are_named_sums_in_one_buffer():
@@ -157,8 +158,8 @@ def test_with_dpace_the_selector_is_weighted_like_the_slot_cross_entropy():
     m2.load_trainable(m1.trainable_state_dict() | {k: v for k, v in m2.trainable_state_dict().items()
                                                    if k not in m1.trainable_state_dict()}, "test")
     ids = torch.randint(0, 40, (24,))
-    batch = {"hidden": torch.randn(24, 32), "input_ids": ids.int(), "loss_mask": torch.ones(24, dtype=torch.uint8),
-             "cu_seqlens": torch.tensor([0, 12, 24], dtype=torch.int32)}
+    batch = SlotBatch(hidden=torch.randn(24, 32), input_ids=ids.int(), loss_mask=torch.ones(24, dtype=torch.uint8),
+                      cu_seqlens=torch.tensor([0, 12, 24], dtype=torch.int32))
     out = {}
     for name, m, dc in (("dflash", m1, d1), ("dflash2", m2, d2)):
         tc = TrainerConfig(block_size=b, num_anchors=4, loss="dpace", dpace_alpha=0.0, label_source="data",

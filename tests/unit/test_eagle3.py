@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from specring.shared.models.eagle3 import (
     target_to_draft,
 )
 from specring.shared.models.layer_ids import default_eagle3_layer_ids
+from specring.shared.transport.slot_batch import SlotBatch
 
 TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 
@@ -109,20 +111,21 @@ def test_loss_labels_soft_targets_and_statistics():
     g = torch.Generator().manual_seed(3)
     t = 10
     x = torch.randint(0, 50, (t,), generator=g)
-    batch = {"hidden": torch.randn(t, 72, generator=g, dtype=torch.float64), "input_ids": x,
-             "loss_mask": torch.ones(t, dtype=torch.uint8), "target_ids": torch.randint(0, 50, (t,), generator=g)}
     cu = torch.tensor([0, t])
+    batch = SlotBatch(hidden=torch.randn(t, 72, generator=g, dtype=torch.float64), input_ids=x,
+                      loss_mask=torch.ones(t, dtype=torch.uint8), cu_seqlens=cu,
+                      target_ids=torch.randint(0, 50, (t,), generator=g))
     loss, wsum, correct, counted, accept, npos = eagle3_loss(model, batch, cu, "target", backward=True)
     # step k is valid at t with t+2+k < 10: 8, 7, 6 positions
     assert counted.tolist() == [8, 7, 6] and int(npos) == 8
-    in_vocab = model.t2d[batch["target_ids"]]
+    in_vocab = model.t2d[batch.target_ids]
     expect = sum(0.8 ** k * float(in_vocab[1 + k:9].sum()) for k in range(3))  # labels at t+1+k, t < 8-k
     assert float(wsum) == pytest.approx(expect)
     assert model.fc.weight.grad is not None and model.embed_tokens.weight.grad is None
     assert float(accept) >= float(npos)
     # soft targets: a top-1 "distribution" equal to the hard label gives the same loss
     model.zero_grad()
-    soft = dict(batch, target_topk_ids=batch["target_ids"][:, None], target_topk_logprobs=torch.zeros(t, 1))
+    soft = dataclasses.replace(batch, target_topk_ids=batch.target_ids[:, None], target_topk_logprobs=torch.zeros(t, 1))
     loss_soft = eagle3_loss(model, soft, cu, "target", backward=False)[0]
     assert float(loss_soft.detach()) == pytest.approx(float(loss))
 
@@ -141,9 +144,9 @@ def test_a_fixture_drafter_learns_the_next_tokens(tmp_path):
         target.model(input_ids=ids)
         feats = torch.cat(cap.outputs(), dim=-1).reshape(-1, 3 * cfg.target_hidden_size)
         greedy = target(input_ids=ids).logits.argmax(-1).reshape(-1)
-    batch = {"hidden": feats, "input_ids": ids.reshape(-1), "loss_mask": torch.ones(128, dtype=torch.uint8),
-             "target_ids": greedy}
     cu = torch.arange(0, 129, 32)
+    batch = SlotBatch(hidden=feats, input_ids=ids.reshape(-1), loss_mask=torch.ones(128, dtype=torch.uint8),
+                      cu_seqlens=cu, target_ids=greedy)
     torch.manual_seed(0)
     model = build_eagle3(cfg, TARGET, *build_draft_vocab(torch.ones(8192), 8192))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)

@@ -4,6 +4,7 @@ gradients in float32 on CPU, no host reads in the step, and a compiled step that
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from specring.shared.drafters.eagle3_ttt_reference import (
     reference_ttt_inputs,
 )
 from specring.shared.models.eagle3 import Eagle3Config, Eagle3Drafter, build_draft_vocab
+from specring.shared.transport.slot_batch import SlotBatch
 
 TARGET = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 V = 50
@@ -44,7 +46,7 @@ def fixture_model(steps: int = 4) -> Eagle3Drafter:
     return model
 
 
-def make_batch(model: Eagle3Drafter, cu: list[int], topk: int, seed: int = 3) -> dict[str, torch.Tensor]:
+def make_batch(model: Eagle3Drafter, cu: list[int], topk: int, seed: int = 3) -> SlotBatch:
     """Random packed batch: a loss mask with holes, top-K ids partly outside the draft vocabulary."""
     cfg = model.config
     g = torch.Generator().manual_seed(seed)
@@ -57,12 +59,12 @@ def make_batch(model: Eagle3Drafter, cu: list[int], topk: int, seed: int = 3) ->
     if topk:
         batch["target_topk_ids"] = torch.randint(0, v, (t, topk), generator=g, dtype=torch.int32)
         batch["target_topk_logprobs"] = torch.log_softmax(torch.randn(t, topk, generator=g) * 2, -1)
-    return batch
+    return SlotBatch(**batch)
 
 
-def loss_and_grads(fn, model: Eagle3Drafter, batch: dict, label_source: str):
+def loss_and_grads(fn, model: Eagle3Drafter, batch: SlotBatch, label_source: str):
     model.zero_grad(set_to_none=True)
-    out = fn(model, batch, batch["cu_seqlens"], label_source, True)
+    out = fn(model, batch, batch.cu_seqlens, label_source, True)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out, grads
 
@@ -102,7 +104,7 @@ def test_the_statistics_agree_when_the_drafter_hits():
     batch = make_batch(model, [0, 10, 22], topk=0)
     with torch.no_grad():
         model.lm_head.weight.zero_()
-    batch["target_ids"] = torch.full_like(batch["target_ids"], int(model.d2t[0]))   # draft id 0's target id
+    batch = dataclasses.replace(batch, target_ids=torch.full_like(batch.target_ids, int(model.d2t[0])))  # id 0's
     out, _ = loss_and_grads(eagle3_loss, model, batch, "target")
     ref, _ = loss_and_grads(reference_eagle3_loss, model, batch, "target")
     assert out[2].tolist() == out[3].tolist() == ref[2].tolist() and int(out[2].sum()) > 0
@@ -112,14 +114,14 @@ def test_the_statistics_agree_when_the_drafter_hits():
 def test_ttt_inputs_and_forward_equal_the_reference_step_by_step():
     model = small_model(steps=4)
     batch = make_batch(model, [0, 3, 3, 15, 16, 24], topk=0)
-    ids, cu = batch["input_ids"].long(), batch["cu_seqlens"]
+    ids, cu = batch.input_ids.long(), batch.cu_seqlens
     steps, pred, inside, pos = ttt_inputs(ids, cu, 4)
     r_steps, r_pred, r_inside, r_pos = reference_ttt_inputs(ids, cu, 4)
     assert torch.equal(steps, torch.stack(r_steps)) and torch.equal(pred, r_pred)
     assert torch.equal(inside, r_inside) and torch.equal(pos, r_pos)
     with torch.no_grad():
-        outs = model.ttt_forward(steps, cu, batch["hidden"])
-        ref = reference_ttt_forward(model, r_steps, r_pos, cu, batch["hidden"])
+        outs = model.ttt_forward(steps, cu, batch.hidden)
+        ref = reference_ttt_forward(model, r_steps, r_pos, cu, batch.hidden)
     assert outs.shape == (4, 24, 32)
     for k in range(4):
         assert torch.allclose(outs[k], ref[k], atol=1e-5, rtol=1e-5), f"step {k}"
@@ -133,7 +135,7 @@ def test_the_batched_step_reads_no_device_value_on_the_host():
     model = small_model()
     batch = make_batch(model, [0, 7, 7, 8, 27], topk=4)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        eagle3_loss(model, batch, batch["cu_seqlens"], "target", True)
+        eagle3_loss(model, batch, batch.cu_seqlens, "target", True)
     names = [e.name for e in prof.events()]
     for op in ("aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select"):
         assert op not in names, op
