@@ -126,10 +126,11 @@ class Checkpointed:
 class Heartbeat:
     """Any child → coordinator, every ``heartbeat_interval_s``; ``stats`` is a flat map of numbers/strings.
 
-    Keys every child may send: ``work``/``work_s`` (``shared.procs``) and the balance figures ``busy_s``,
-    ``window_s``, ``idle_tail_s`` (``shared.balance``); the role adds its own (``tokens_per_s``, ``tokens``,
-    ...). New keys need no new schema version: a reader ignores keys it does not know and treats a missing key
-    as "not reported"."""
+    Its keys are declared in ``shared.transport.stats`` (``ChildStats.to_wire`` writes it, ``parse_stats`` reads
+    it): every child sends ``work``/``work_s`` (``shared.procs``) and the balance figures ``busy_s``,
+    ``window_s``, ``idle_tail_s`` (``shared.balance``); the role adds its own (``ProducerStats``,
+    ``ConsumerStats``: ``tokens_per_s``, ``tokens``, ...). New keys need no new schema version: a reader ignores
+    keys it does not know and treats a missing key as "not reported"."""
     KIND: ClassVar[str] = "heartbeat"
     role: str
     index: int
