@@ -30,6 +30,7 @@ from typing import Callable
 import psutil
 
 from specring.shared.config import MonitorConfig
+from specring.shared.transport.stats import ChildStats, parse_stats
 
 
 @dataclass
@@ -43,7 +44,7 @@ class Child:
     last_heartbeat: float = 0.0
     last_progress: float = 0.0
     hello: bool = False
-    stats: dict = field(default_factory=dict)
+    stats: dict = field(default_factory=dict)  # the latest value of each figure its heartbeats sent (wire map)
     restart_times: deque = field(default_factory=deque)
     restart_at: float = 0.0
     restarts: int = 0
@@ -57,6 +58,12 @@ class Child:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
+
+    @property
+    def figures(self) -> ChildStats:
+        """``stats`` typed for the role (``shared.transport.stats``: ``ProducerStats``/``ConsumerStats``; a figure
+        never sent, or sent with the wrong type, is None)."""
+        return parse_stats(self.role, self.stats)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -79,9 +86,11 @@ class HealthMonitor:
     def on_hello(self, child: Child) -> None:
         child.hello, child.state, child.last_heartbeat = True, "running", self.clock()
 
-    def on_heartbeat(self, child: Child, stats: dict) -> None:
+    def on_heartbeat(self, child: Child, stats: dict | ChildStats) -> None:
+        """A heartbeat of ``child`` with its figures (``Heartbeat.stats``, or typed): each figure it reports replaces
+        the one kept in ``child.stats``; the others are kept."""
         child.last_heartbeat = self.clock()
-        child.stats.update(stats)
+        child.stats.update(stats.to_wire() if isinstance(stats, ChildStats) else stats)
 
     def on_progress(self, child: Child) -> None:
         child.last_progress = self.clock()
@@ -114,13 +123,13 @@ class HealthMonitor:
         """Why ``child``'s main thread counts as stuck although its heartbeats go on ("" if it does not): on
         one piece of work longer than ``batch_timeout_s``, or idle without turning its loop for longer than
         ``hang_timeout_s``, as of its last heartbeat plus the time since (see the module docstring)."""
-        work_s = child.stats.get("work_s")
-        if (isinstance(work_s, bool) or not isinstance(work_s, (int, float))
-                or child.last_progress > child.last_heartbeat):
+        figures = child.figures
+        work_s = figures.work_s
+        if work_s is None or child.last_progress > child.last_heartbeat:
             return ""  # an older child without these figures, or progress since the figures were sent
         now = self.clock()
-        busy_s = float(work_s) + now - child.last_heartbeat
-        what = child.stats.get("work") or ""
+        busy_s = work_s + now - child.last_heartbeat
+        what = figures.work or ""
         if what and busy_s > self.cfg.batch_timeout_s:
             return f"busy with {str(what)[:80]} for {busy_s:.1f}s > batch_timeout_s={self.cfg.batch_timeout_s:g}"
         if not what and busy_s > self.cfg.hang_timeout_s:

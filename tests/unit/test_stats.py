@@ -80,3 +80,16 @@ def test_every_class_declares_the_common_figures_first():
         assert all(f.default is None for f in dataclasses.fields(cls))
     with pytest.raises(dataclasses.FrozenInstanceError):
         ProducerStats().tokens = 1
+
+
+def test_the_monitor_keeps_the_latest_of_each_figure_and_reads_them_typed():
+    from specring.shared.config import MonitorConfig
+    from specring.supervisor.monitor import Child, HealthMonitor
+
+    mon, child = HealthMonitor(MonitorConfig()), Child("consumer", 0)
+    mon.on_heartbeat(child, {"tokens_per_s": 2.0, "step": 3, "gpu_mem_bytes": 5, "work_s": "soon"})
+    mon.on_heartbeat(child, ConsumerStats(step=4, work="batch 1", work_s=0.5))
+    f = child.figures
+    assert isinstance(f, ConsumerStats) and (f.step, f.tokens_per_s, f.gpu_mem_bytes) == (4, 2.0, 5)
+    assert (f.work, f.work_s) == ("batch 1", 0.5)
+    assert Child("producer", 1).figures == ProducerStats()
