@@ -66,8 +66,8 @@ BATCH_KEYS = ("input_ids", "attention_mask", "loss_mask", "lengths", "batch_id")
 
 
 @dataclass
-class ProducerStats:
-    """Counters since the producer started (read by the heartbeat)."""
+class ProducerCounters:
+    """Counters since the producer started (the heartbeat reports them: ``shared.transport.stats.ProducerStats``)."""
     batches: int = 0            # published
     bad_batches: int = 0        # answered with BadBatch
     tokens: int = 0             # real tokens published
@@ -138,7 +138,7 @@ class Producer:
         self.lm_head = model.get_output_embeddings() if target_labels else None
         if target_labels and self.lm_head is None:
             raise ConfigError(f"label_source=target: {type(model).__name__} has no LM head (get_output_embeddings)")
-        self.stats = ProducerStats()
+        self.stats = ProducerCounters()
         self.current_batch = -1
         self.normed: torch.Tensor | None = None  # final norm output of the last forward (label_source=target)
         self.hf_config = getattr(model, "config", None)
