@@ -68,6 +68,8 @@ class SlotBatch:
     TARGET_LABELS: ClassVar[tuple[str, ...]] = ("target_ids", "target_topk_ids", "target_topk_logprobs")
     #: fields with one row per token (first dimension ``T``)
     PER_TOKEN: ClassVar[tuple[str, ...]] = tuple(k for k, (_, shape) in SPECS.items() if shape[:1] == ("T",))
+    #: ``(name, dtype, shape, in every slot)`` per field, what ``check`` walks
+    _CHECKS: ClassVar[tuple] = ()  # set below the class
 
     hidden: Tensor
     input_ids: Tensor
@@ -127,8 +129,8 @@ class SlotBatch:
 
     @classmethod
     def _check_names(cls, tensors: Mapping, required: tuple[str, ...]) -> None:
-        unknown = sorted(str(k) for k in tensors if k not in cls.SPECS)
-        if unknown:
+        if not cls.SPECS.keys() >= tensors.keys():
+            unknown = sorted(str(k) for k in tensors if k not in cls.SPECS)
             raise MessageError(f"slot batch: unknown field(s) {unknown} (a slot holds {list(cls.SPECS)})")
         for name in required:
             if tensors.get(name) is None:
@@ -142,10 +144,10 @@ class SlotBatch:
         from ``target_topk_ids``), ``hidden``'s width is not a multiple of ``n`` (``layer_ids``), or only one of the
         top-K pair is there, or the pair without ``target_ids``."""
         dims: dict[str, tuple[int, str]] = {}  # symbol -> (size, the field it was read from)
-        for name, (dtype, shape) in self.SPECS.items():
+        for name, dtype, shape, in_every_slot in self._CHECKS:
             x = getattr(self, name)
             if x is None:
-                if name in self.IN_EVERY_SLOT:
+                if in_every_slot:
                     raise MessageError(f"slot batch: field {name!r} missing")
                 continue
             if not isinstance(x, torch.Tensor):
@@ -157,19 +159,19 @@ class SlotBatch:
             elif x.dtype != dtype:
                 raise MessageError(f"slot batch: field {name!r} has dtype {_dtype_name(x.dtype)}, expected "
                                    f"{_dtype_name(dtype)}")
-            want_text = "[" + ", ".join(str(d) for d in shape) + "]"
-            if x.dim() != len(shape):
-                raise MessageError(f"slot batch: field {name!r} has shape {list(x.shape)}, expected {want_text}")
-            for sym, size in zip(shape, x.shape):
-                if isinstance(sym, int):
+            got = x.shape
+            if len(got) != len(shape):
+                raise MessageError(f"slot batch: field {name!r} has shape {list(got)}, expected {_shape_text(shape)}")
+            for sym, size in zip(shape, got):
+                if sym.__class__ is int:
                     if size != sym:
-                        raise MessageError(f"slot batch: field {name!r} has shape {list(x.shape)}, expected "
-                                           f"{want_text}")
+                        raise MessageError(f"slot batch: field {name!r} has shape {list(got)}, expected "
+                                           f"{_shape_text(shape)}")
                 elif sym not in dims:
-                    dims[sym] = (int(size), name)
+                    dims[sym] = (size, name)
                 elif size != dims[sym][0]:
-                    raise MessageError(f"slot batch: field {name!r} has shape {list(x.shape)}, expected {want_text} "
-                                       f"with {sym}={dims[sym][0]} (from {dims[sym][1]!r})")
+                    raise MessageError(f"slot batch: field {name!r} has shape {list(got)}, expected "
+                                       f"{_shape_text(shape)} with {sym}={dims[sym][0]} (from {dims[sym][1]!r})")
         if (self.target_topk_ids is None) != (self.target_topk_logprobs is None):
             name = "target_topk_logprobs" if self.target_topk_logprobs is None else "target_topk_ids"
             raise MessageError(f"slot batch: field {name!r} missing (the top-K ids and log-probabilities come "
@@ -211,16 +213,17 @@ class SlotBatch:
         is: the trainer and the drafters read the sequence boundaries on the host. ``copy=True``: every tensor is a
         new one, ``cu_seqlens`` and tensors already on ``device`` included (nothing aliases the source: what a
         consumer needs before it releases the slot the views point into)."""
+        device = torch.device(device)
         changes = {}
         for name in self.SPECS:
             x = getattr(self, name)
             if x is None:
                 continue
-            if name == "cu_seqlens":
+            if name == "cu_seqlens" or x.device == device:
                 changes[name] = x.clone() if copy else x
             else:
                 changes[name] = x.to(device, non_blocking=non_blocking, copy=copy)
-        return dataclasses.replace(self, **changes)
+        return type(self)(**changes)  # every field that is not None is in changes
 
     def __repr__(self) -> str:
         parts = [f"{name}={list(x.shape)}:{_dtype_name(x.dtype)}" for name, x in self.to_tensors().items()]
@@ -231,5 +234,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return DTYPE_NAMES.get(dtype, str(dtype))
 
 
+def _shape_text(shape: tuple[int | str, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+SlotBatch._CHECKS = tuple((k, dtype, shape, k in SlotBatch.IN_EVERY_SLOT)
+                          for k, (dtype, shape) in SlotBatch.SPECS.items())
 assert tuple(f.name for f in dataclasses.fields(SlotBatch)) == tuple(SlotBatch.SPECS), \
     "SlotBatch's fields must be SPECS, in write order"
