@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import logging
 import os
 import re
@@ -45,6 +44,8 @@ from specring.shared.balance import DutyClock
 from specring.shared.config import RunConfig
 from specring.shared.logs import configure_logging
 from specring.shared.paths import IMPORT_ROOT
+from specring.shared.run_dir import RunDir
+from specring.shared.run_records import Topology
 from specring.shared.transport import channel, messages
 
 log = logging.getLogger(__name__)
@@ -169,30 +170,6 @@ def sweep_run_processes(run_alive: Callable[[str], bool]) -> list[tuple[int, str
         except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
             continue
     return out
-
-
-@dataclass
-class Topology:
-    """What every child needs to find the others: written by the supervisor to ``run_dir/topology.json``.
-
-    ``supervisor_pid`` is the supervisor's pid in its own PID namespace (its children compare it with
-    ``getppid()``); other processes must not judge liveness by it (``supervisor.resume.run_dir_held``)."""
-    run_id: str
-    address: str
-    rings: list[str]
-    slot_bytes: int
-    num_slots: int
-    supervisor_pid: int
-
-    def save(self, run_dir: str | Path) -> None:
-        p = Path(run_dir) / "topology.json"
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.__dict__, indent=1))
-        os.replace(tmp, p)
-
-    @classmethod
-    def load(cls, run_dir: str | Path) -> "Topology":
-        return cls(**json.loads((Path(run_dir) / "topology.json").read_text()))
 
 
 @dataclass
@@ -421,8 +398,9 @@ def child_main(role: str, module_doc: str, body: Callable[[ChildContext], None],
     set_parent_death_signal(signal.SIGKILL)
     set_process_title(f"sr-{role[:4]}{args.index}")
     configure_logging(f"{name}/g{args.generation}")
-    config = RunConfig.from_dict(json.loads((Path(args.run_dir) / "config.json").read_text()))
-    topology = Topology.load(args.run_dir)
+    run = RunDir(args.run_dir)
+    config = run.read_config()
+    topology = run.read_topology()
     if os.getppid() != topology.supervisor_pid:
         log.error("exit reason=parent_gone supervisor_pid=%d", topology.supervisor_pid)
         return EXIT_ERROR

@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from specring.shared.errors import MessageError, PeerTimeout
+from specring.shared.run_dir import SOCKET_FILE
 from specring.shared.transport import messages
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ def coordinator_address(run_dir: str, tcp: str = "") -> str:
     """The coordinator's endpoint for a run: ``tcp`` when given, else an ``ipc://`` file in ``run_dir``."""
     if tcp:
         return tcp
-    path = os.path.join(os.path.abspath(run_dir), "coord.sock")
+    path = os.path.join(os.path.abspath(run_dir), SOCKET_FILE)
     if len(path) > 100:  # sun_path is 108 bytes on Linux
         raise ValueError(f"run directory path is too long for an ipc socket ({len(path)} chars): {path}; "
                          f"use a shorter --run-dir or --tcp")
