@@ -319,13 +319,13 @@ def _decoding_line(sampling: dict[str, Any]) -> str:
 
 def check_eval_output(args: argparse.Namespace) -> None:
     """Refuse an ``--output-json`` that names a file the evaluation reads or that describes it: a file of the
-    checkpoint or export, a record of its run directory (``supervisor.resume.RUN_RECORDS``), a file of the
+    checkpoint or export, a record of its run directory (``shared.run_dir.RECORD_FILES``), a file of the
     target's directory, a ``--data`` file or its sidecar (``shared.outputs.check_outputs``; ``ConfigError``
     naming ``--output-json``)."""
     from specring.shared import checkpoint as ckpt
     from specring.shared.data.dataset import sidecar_path
     from specring.shared.outputs import check_outputs
-    from specring.supervisor.resume import RUN_RECORDS
+    from specring.shared.run_dir import RECORD_FILES
 
     inputs: dict[str, Any] = {}
     if not args.baselines_only and str(args.drafter).lower() not in ("none", ""):
@@ -333,7 +333,7 @@ def check_eval_output(args: argparse.Namespace) -> None:
         inputs["drafter"] = step_dir
         run_dir = Path(step_dir).resolve().parent.parent
         if (run_dir / "config.json").is_file() and not ckpt.is_export(step_dir):
-            inputs.update({f"run record {name}": run_dir / name for name in RUN_RECORDS})
+            inputs.update({f"run record {name}": run_dir / name for name in RECORD_FILES})
         inputs["target directory"] = ckpt.target_of_checkpoint(step_dir)
     if args.target and Path(args.target).is_dir():
         inputs["target directory"] = args.target

@@ -16,7 +16,8 @@ from specring.cli.main import description
 from specring.shared import paths
 from specring.shared.config import finite_number
 from specring.shared.errors import ConfigError, PeerTimeout
-from specring.supervisor.resume import latest_link
+from specring.shared.run_dir import RunDir
+from specring.shared.run_records import RunStatus
 from specring.supervisor.status import status_mib as _mib
 from specring.supervisor.status import status_num as _num
 from specring.supervisor.status import status_pct as _pct
@@ -28,11 +29,10 @@ def _fmt(x) -> str:
 
 
 def _address(run_dir: str) -> str:
-    from specring.shared.procs import Topology
-    p = Path(run_dir) / "topology.json"
-    if not p.is_file():
+    run = RunDir(run_dir)
+    if not run.topology_file.is_file():
         raise ConfigError(f"--run-dir: {run_dir} has no topology.json (no run was started there)")
-    return Topology.load(run_dir).address
+    return run.read_topology().address
 
 
 def status_main(argv: list[str]) -> int:
@@ -44,7 +44,7 @@ def status_main(argv: list[str]) -> int:
                                  epilog="examples:\n"
                                  "  launch.py status                         runs/latest, one line a process\n"
                                  "  launch.py status --serve --port 8765     the live page, on loopback")
-    ap.add_argument("--run-dir", default=str(latest_link()), help="the run to ask (default: runs/latest)")
+    ap.add_argument("--run-dir", default=str(RunDir.latest_link()), help="the run to ask (default: runs/latest)")
     ap.add_argument("--json", action="store_true", help="print the raw status as JSON")
     live = ap.add_argument_group("live page (--serve: the plots of `launch.py report` and this table, in a browser)")
     live.add_argument("--serve", action="store_true",
@@ -65,9 +65,9 @@ def status_main(argv: list[str]) -> int:
         return serve(args.run_dir, args.host, args.port, args.refresh_s)
     from specring.shared.transport import channel
     from specring.shared.transport import messages as m
-    from specring.supervisor.resume import supervisor_alive
-    if (Path(args.run_dir) / "topology.json").is_file() and supervisor_alive(Path(args.run_dir)) is None:
-        summary = Path(args.run_dir) / "summary.json"
+    run = RunDir(args.run_dir)
+    if run.topology_file.is_file() and run.supervisor_pid() is None:
+        summary = run.summary_file
         print(f"no run is going in {args.run_dir} (its supervisor has exited)"
               + (f"; see {summary}" if summary.is_file() else ""), file=sys.stderr)
         return 1
@@ -76,29 +76,29 @@ def status_main(argv: list[str]) -> int:
     except (ConfigError, PeerTimeout) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    d = reply.data
     if args.json:
-        print(json.dumps(d, indent=1))
+        print(json.dumps(reply.data, indent=1))
         return 0
-    print(f"run {d['run_id']}  step {d['step']}  trained {d['trained']}/{d['planned']} batches  loss {_fmt(d['loss'])}")
+    st = RunStatus.from_json(reply.data)
+    print(f"run {st.run_id}  step {st.step}  trained {st.trained}/{st.planned} batches  loss {_fmt(st.loss)}")
     for key, what, first in (("per_step_acc", "TTT step", 0), ("per_slot_acc", "block slot", 1)):
-        if d.get(key):  # the accuracy of the last optimizer step in metrics.jsonl, per draft position
-            accs = "  ".join(f"{i + first}:{_num(a, '.3f')}" for i, a in enumerate(d[key]))
-            print(f"{d.get('drafter', 'drafter')} accuracy per {what} (step {d.get('acc_step')}): {accs}")
-    b = d.get("balance") or {}
+        if st.acc_key == key and st.acc:  # the accuracy of the last optimizer step in metrics.jsonl, per position
+            accs = "  ".join(f"{i + first}:{_num(a, '.3f')}" for i, a in enumerate(st.acc))
+            print(f"{st.drafter or 'drafter'} accuracy per {what} (step {st.acc_step}): {accs}")
+    b = st.balance or {}
     print(f"balance: producer duty cycle {_pct(b.get('producer_duty_cycle'))} (working, not waiting for a lease), "
           f"consumer starvation {_pct(b.get('consumer_starvation'))} (waiting for a batch)")
     print(f"{'process':<12}{'pid':>8}{'gen':>5} {'state':<9}{'hb_age':>7}{'tok/s':>10}{'duty':>6}{'starv':>6}"
           f"{'cpu%':>7}{'rss_MiB':>9}{'gpu_MiB':>9}{'restarts':>9}  {'ring F/W/R/r':<13} busy with")
-    for r in d["rows"]:
-        ring = r.get("ring")
+    for r in st.rows:
+        ring = r.ring
         ring_s = "{FREE}/{WRITING}/{READY}/{READING}".format(**ring) if ring else ""
-        print(f"{r['role'] + '-' + str(r['index']):<12}{r['pid'] or '-':>8}{r['generation']:>5} {r['state']:<9}"
-              f"{_num(r.get('heartbeat_age_s'), '.1f'):>7}{_num(r.get('tokens_per_s'), ',.0f'):>10}"
-              f"{_pct(r.get('duty_cycle')) if r['role'] == 'producer' else '':>6}"
-              f"{_pct(r.get('starvation')) if r['role'] == 'consumer' else '':>6}"
-              f"{_num(r.get('cpu_percent'), '.0f'):>7}{_num(_mib(r.get('rss_bytes')), '.0f'):>9}"
-              f"{_num(_mib(r.get('gpu_mem_bytes')), '.0f'):>9}{r['restarts']:>9}  {ring_s:<13} {_work(r)}")
+        print(f"{r.name:<12}{r.pid or '-':>8}{r.generation:>5} {r.state:<9}"
+              f"{_num(r.heartbeat_age_s, '.1f'):>7}{_num(r.tokens_per_s, ',.0f'):>10}"
+              f"{_pct(r.duty_cycle) if r.role == 'producer' else '':>6}"
+              f"{_pct(r.starvation) if r.role == 'consumer' else '':>6}"
+              f"{_num(r.cpu_percent, '.0f'):>7}{_num(_mib(r.rss_bytes), '.0f'):>9}"
+              f"{_num(_mib(r.gpu_mem_bytes), '.0f'):>9}{r.restarts:>9}  {ring_s:<13} {_work(r)}")
     return 0
 
 
@@ -111,7 +111,7 @@ def restart_main(argv: list[str]) -> int:
     ap.add_argument("role", choices=["producer"], help="only producers can be restarted")
     ap.add_argument("index", type=finite_number(int),
                     help="producer index (the number after producer- in `launch.py status`)")
-    ap.add_argument("--run-dir", default=str(latest_link()), help="the run (default: runs/latest)")
+    ap.add_argument("--run-dir", default=str(RunDir.latest_link()), help="the run (default: runs/latest)")
     args = ap.parse_args(argv)
     if not 0 <= args.index < 2**16:
         ap.error(f"argument index: no producer {args.index} (indices start at 0)")
@@ -136,14 +136,13 @@ def clean_main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     from specring.shared.procs import sweep_run_processes
     from specring.shared.transport.ring import run_owned, sweep_stale
-    from specring.supervisor.resume import stale_sockets
     for pid, run_id, cmd in sweep_run_processes(run_owned):
         print(f"killed process {pid} of run {run_id} (its supervisor is gone): {cmd}")
     removed = sweep_stale()
-    dirs = [Path(d) for d in args.run_dir] + sorted(paths.runs_dir().glob("*"))
+    dirs = [RunDir(d) for d in args.run_dir] + RunDir.under_runs()
     socks = []
     for d in dirs:
-        for sock in stale_sockets(d):
+        for sock in d.stale_sockets():
             os.unlink(sock)
             socks.append(str(sock))
     for name in removed:

@@ -18,6 +18,7 @@ from pathlib import Path
 from specring.cli.flags import build_parser, config_from_args, cpu_default_lines
 from specring.cli.ops import _fmt
 from specring.shared.errors import ConfigError
+from specring.shared.run_dir import RunDir
 
 __all__ = ["build_parser", "config_from_args", "train_main"]
 
@@ -85,37 +86,37 @@ def _train_main(argv: list[str]) -> int:
         _say(result.note)
         return result.exit_code
     s = result.summary
+    run = RunDir(cfg.run_dir)
     if cfg.nodes.nnodes > 1 and cfg.nodes.node_rank != 0:  # node 0's summary.json holds the run's ledger
-        _say(f"\nnode {cfg.nodes.node_rank} {s['exit_reason']}: its producers and consumers served the run whose "
-             f"ledger node 0 ({cfg.nodes.master_addr}) keeps in its summary.json; this node's: "
-             f"{Path(cfg.run_dir) / 'summary.json'}")
+        _say(f"\nnode {cfg.nodes.node_rank} {s.exit_reason}: its producers and consumers served the run whose "
+             f"ledger node 0 ({cfg.nodes.master_addr}) keeps in its summary.json; this node's: {run.summary_file}")
         return result.exit_code
-    restarts = " ".join(f"producer{k}={v}" for k, v in s["restarts"].items())
-    line = (f"\nrun {s['exit_reason']}: {s['trained_batches']}/{s['planned_batches']} batches trained "
-            f"(duplicates {s['duplicate_batches']}, lost {s['lost_batches']}, bad {s['bad_batches']}, "
-            f"skipped {s['skipped_batches']}), "
-            f"loss {_fmt(s['loss_first'])} -> {_fmt(s['loss_last'])}, {s['tokens_per_s']:,.0f} tokens/s, "
-            f"{s['elapsed_s']:.0f} s, restarts {restarts}")
-    failures = s.get("eval_failures") or []
+    restarts = " ".join(f"producer{k}={v}" for k, v in s.restarts.items())
+    line = (f"\nrun {s.exit_reason}: {s.trained_batches}/{s.planned_batches} batches trained "
+            f"(duplicates {s.duplicate_batches}, lost {s.lost_batches}, bad {s.bad_batches}, "
+            f"skipped {s.skipped_batches}), "
+            f"loss {_fmt(s.loss_first)} -> {_fmt(s.loss_last)}, {s.tokens_per_s:,.0f} tokens/s, "
+            f"{s.elapsed_s:.0f} s, restarts {restarts}")
+    failures = s.eval_failures or []
     if failures:  # training went on, but tau is missing for these steps: never silent
         last = failures[-1]
         line += (f", tau evaluation FAILED {len(failures)}x (steps {[f['step'] for f in failures]}; last: "
-                 f"{last['error'][:200]}; see {Path(cfg.run_dir) / 'eval.jsonl'} and logs/consumer-0.log)")
-    if s.get("tau_last"):
-        tau = s["tau_last"]
-        line += f"\ntau {tau['tau_mean']:.3f} at step {tau['step']} ({Path(cfg.run_dir) / 'eval.jsonl'})"
-        best = s.get("tau_best")
+                 f"{last['error'][:200]}; see {run.eval_file} and logs/consumer-0.log)")
+    if s.tau_last:
+        tau = s.tau_last
+        line += f"\ntau {tau['tau_mean']:.3f} at step {tau['step']} ({run.eval_file})"
+        best = s.tau_best
         if best and best["step"] != tau["step"] and best["tau_mean"] > tau["tau_mean"]:
             line += (f"; best {best['tau_mean']:.3f} at step {best['step']}"
                      + (f" ({best['checkpoint']})" if best.get("checkpoint") else " (no checkpoint at that step)"))
-    if s["exit_reason"] == "nothing_trained":
+    if s.exit_reason == "nothing_trained":
         line += ("\nnothing was trained: every optimizer step was skipped (no labels: no sample of the batches has "
                  "two adjacent tokens that carry loss, which a DFlash anchor needs; or non-finite losses); "
                  "check the data's loss_mask (`launch.py prepare` names such rows no_anchor)")
     line += f"\nreport: {write_run_report(cfg.run_dir)}"
-    line += f"\nsummary: {Path(cfg.run_dir) / 'summary.json'}"
-    if s["remaining_batches"]:
-        line += (f"\n{s['remaining_batches']} batches still to train (not reached, or trained after the last "
+    line += f"\nsummary: {run.summary_file}"
+    if s.remaining_batches:
+        line += (f"\n{s.remaining_batches} batches still to train (not reached, or trained after the last "
                  f"checkpoint); continue with "
                  f"`python launch.py train --run-dir {cfg.run_dir} --resume`")
     _say(line)

@@ -25,13 +25,14 @@ never idle. That is what ``launch.py train --plan`` reads back from a previous r
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
+
+from specring.shared.run_dir import SUMMARY_FILE, RunDir
 
 BALANCE_KEYS = ("busy_s", "window_s", "idle_tail_s")
 
@@ -224,27 +225,27 @@ def find_recorded_rates(config: dict, search: Iterable[Path], exclude: Path | No
     found: list[tuple[float, Path, dict, dict]] = []
     for base in search:
         base = Path(base)
-        for summary in [base / "summary.json", *sorted(base.glob("*/summary.json"))]:
-            run = summary.parent.resolve()
-            if run in seen or (exclude is not None and run == Path(exclude).resolve()) or not summary.is_file():
+        for rd in [RunDir(base), *(RunDir(p.parent) for p in sorted(base.glob(f"*/{SUMMARY_FILE}")))]:
+            run = rd.path.resolve()
+            if run in seen or (exclude is not None and run == Path(exclude).resolve()) or \
+                    not rd.summary_file.is_file():
                 continue
             seen.add(run)
             try:
-                s = json.loads(summary.read_text())
-                c = json.loads((summary.parent / "config.json").read_text())
-                mtime = summary.stat().st_mtime
+                s = rd.read_summary()
+                c = rd.config_dict()
+                mtime = rd.summary_file.stat().st_mtime
             except (OSError, ValueError):
                 continue
-            b = s.get("balance") if isinstance(s, dict) else None
+            b = s.balance
             if not isinstance(b, dict) or not b.get("producer_tokens_per_busy_s") or \
-                    not b.get("consumer_tokens_per_busy_s") or not isinstance(c, dict):
+                    not b.get("consumer_tokens_per_busy_s"):
                 continue
             if rate_shape(c) == want:
-                found.append((mtime, summary.parent, s, c))
+                found.append((mtime, rd.path, b, c))
     if not found:
         return None
-    _, run, s, c = max(found, key=lambda x: x[0])
-    b = s["balance"]
+    _, run, b, c = max(found, key=lambda x: x[0])
     p, q = c.get("producer", {}).get("devices", []), c.get("trainer", {}).get("devices", [])
     topo = (f"{len(p)} producer(s) ({','.join(sorted({_device_kind(d) for d in p}))}) + {len(q)} consumer(s) "
             f"({','.join(sorted({_device_kind(d) for d in q}))})")

@@ -23,10 +23,11 @@ import zmq
 from specring.shared.drafters import get_family
 from specring.shared.errors import MessageError
 from specring.shared.procs import parse_identity, peer_identity
+from specring.shared.run_dir import RunDir
+from specring.shared.run_records import RunStatus, StatusRow
 from specring.shared.transport import channel
 from specring.shared.transport import messages as m
 from specring.supervisor.monitor import Child
-from specring.supervisor.reporting import last_metrics
 
 log = logging.getLogger(__name__)
 
@@ -160,32 +161,33 @@ class MessageDispatch:
         """Consumers of the run, every node's."""
         return sum(self.topo.consumers) if self.topo is not None else len(self.consumers)
 
-    def status_rows(self) -> list[dict]:
+    def status_rows(self) -> list[StatusRow]:
+        """One ``StatusRow`` per child, producers first (``status.json``, ``launch.py status``, the time series)."""
         rows = []
         now = time.monotonic()
         for c in self.producers + self.consumers:
-            row = {"role": c.role, "index": c.index, "pid": c.pid,
-                   "generation": self.coordinator.generation(c.role, c.index) if self.coordinator else 1,
-                   "state": c.state, "heartbeat_age_s": round(now - c.last_heartbeat, 1) if c.hello else None,
-                   "tokens_per_s": c.stats.get("tokens_per_s"), "gpu_mem_bytes": c.stats.get("gpu_mem_bytes"),
-                   "restarts": c.restarts, "work": c.stats.get("work"), "work_s": c.stats.get("work_s")}
-            row.update(self.balance[(c.role, c.index)].live())
-            row.update(self.monitor.sample(c))
+            row = StatusRow(role=c.role, index=c.index, pid=c.pid,
+                            generation=self.coordinator.generation(c.role, c.index) if self.coordinator else 1,
+                            state=c.state, heartbeat_age_s=round(now - c.last_heartbeat, 1) if c.hello else None,
+                            tokens_per_s=c.stats.get("tokens_per_s"), gpu_mem_bytes=c.stats.get("gpu_mem_bytes"),
+                            restarts=c.restarts, work=c.stats.get("work"), work_s=c.stats.get("work_s"),
+                            **self.balance[(c.role, c.index)].live(), **self.monitor.sample(c))
             if c.role == "producer" and self.coordinator:
-                row["ring"] = self.coordinator.occupancy(c.index)
+                row.ring = self.coordinator.occupancy(c.index)
             rows.append(row)
         return rows
 
     def _command(self, peer: bytes, cmd: m.Command) -> None:
         if cmd.action == "status":
             co = self.coordinator
-            last = last_metrics(self.run_dir)
+            last = RunDir(self.run_dir).last_metrics()
             acc_key = get_family(self.cfg.trainer.drafter).acc_key
-            data = {"rows": self.status_rows(), "run_id": self.run_id, "step": self.progress.step,
-                    "trained": len(co.trained), "planned": len(co.order), "loss": co.loss_last,
-                    "drafter": self.cfg.trainer.drafter, acc_key: last.get(acc_key), "acc_step": last.get("step"),
-                    "balance": self._balance(steady=False)}
-            reply = m.Reply(ok=True, text="", data=data)
+            status = RunStatus(run_id=self.run_id, step=self.progress.step, trained=len(co.trained),
+                               planned=len(co.order), loss=co.loss_last, drafter=self.cfg.trainer.drafter,
+                               acc_key=acc_key, acc=last.family.get(acc_key) if last else None,
+                               acc_step=last.step if last else None, balance=self._balance(steady=False),
+                               rows=self.status_rows())
+            reply = m.Reply(ok=True, text="", data=status.to_json())
         elif cmd.action == "restart" and cmd.role == "producer" and self._child("producer", cmd.index):
             ok, text = self._restart_producer(cmd.index)
             reply = m.Reply(ok=ok, text=text)

@@ -10,7 +10,8 @@ here.
 ``launch(start)``: the run directory claimed (its lock held until the run is over), the batches of a resumed
 run's latest checkpoint read (nothing to do when every planned batch is in it), the supervisor's log
 configured, EAGLE-3's draft vocabulary built once, then ``Supervisor.run`` to the end. Returns a
-``LaunchResult`` with the exit code and the run's summary (``summary.json``'s content).
+``LaunchResult`` with the exit code and the run's summary (``summary.json``'s content, a
+``shared.run_records.Summary``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from specring.shared.config import RunConfig
+from specring.shared.run_dir import RunDir
+from specring.shared.run_records import Summary
 
 
 @dataclass
@@ -37,7 +40,7 @@ class LaunchResult:
     """What ``launch`` ended with: the exit code, the summary (None when nothing was started) and a line for
     the user when nothing was run (``nothing_to_resume``)."""
     exit_code: int
-    summary: dict[str, Any] | None = None
+    summary: Summary | None = None
     note: str = ""
 
 
@@ -73,11 +76,11 @@ def launch(start: RunStart, say: Callable[[str], None] = print) -> LaunchResult:
                 return LaunchResult(0, note=f"nothing to resume: all {len(plan.order)} planned batches of "
                                             f"{cfg.run_dir} are in its latest checkpoint (see its summary.json)")
         from specring.shared.logs import configure_logging
-        configure_logging("supervisor", log_file=Path(cfg.run_dir, "logs", "supervisor.log"))
+        configure_logging("supervisor", log_file=RunDir(cfg.run_dir).log_file("supervisor"))
         # EAGLE-3: the draft vocabulary, built once from the data (read back, never rebuilt, on --resume)
         if prepare_draft_vocab(cfg, plan) == "built":
             say(f"draft vocabulary: {plan.draft_vocab_size} of the target's {plan.vocab_size} tokens, the most "
-                f"frequent loss-carrying ones of {cfg.data.data} -> {Path(cfg.run_dir) / 'draft_vocab.safetensors'}")
+                f"frequent loss-carrying ones of {cfg.data.data} -> {RunDir(cfg.run_dir).draft_vocab_file}")
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         from specring.supervisor.supervisor import Supervisor

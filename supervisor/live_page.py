@@ -24,49 +24,49 @@ import threading
 import time
 from pathlib import Path
 
+from specring.shared import run_dir as rd
+from specring.shared.run_dir import RunDir
+from specring.shared.run_records import StatusRow
 from specring.supervisor.report import load_run, render_page, render_plots
 from specring.supervisor.status import status_mib as _mib
 from specring.supervisor.status import status_num as _num
 from specring.supervisor.status import status_pct as _pct
 from specring.supervisor.status import status_work as _work
 
-WATCHED = ("config.json", "summary.json", "metrics.jsonl", "eval.jsonl", "timeseries.jsonl", "status.json")
+WATCHED = (rd.CONFIG_FILE, rd.SUMMARY_FILE, rd.METRICS_FILE, rd.EVAL_FILE, rd.TIMESERIES_FILE, rd.STATUS_FILE)
 CSP = ("default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src 'unsafe-inline'; "
        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 PROCESS_HEAD = ["process", "pid", "gen", "state", "hb_age s", "tok/s", "duty", "starv", "cpu%", "rss MiB",
                 "gpu MiB", "restarts", "ring F/W/R/r", "busy with"]
 
 
-def process_rows(rows: list[dict]) -> list[list[str]]:
+def process_rows(rows: list[StatusRow]) -> list[list[str]]:
     """The cells of ``launch.py status``'s per-process table for the rows of ``status.json``."""
     out = []
     for r in rows:
-        ring = r.get("ring")
-        out.append([f"{r.get('role')}-{r.get('index')}", str(r.get("pid") or "-"), str(r.get("generation", "-")),
-                    str(r.get("state", "-")), _num(r.get("heartbeat_age_s"), ".1f"),
-                    _num(r.get("tokens_per_s"), ",.0f"),
-                    _pct(r.get("duty_cycle")) if r.get("role") == "producer" else "",
-                    _pct(r.get("starvation")) if r.get("role") == "consumer" else "",
-                    _num(r.get("cpu_percent"), ".0f"), _num(_mib(r.get("rss_bytes")), ".0f"),
-                    _num(_mib(r.get("gpu_mem_bytes")), ".0f"), str(r.get("restarts", "-")),
+        ring = r.ring
+        out.append([r.name, str(r.pid or "-"), _or_dash(r.generation), _or_dash(r.state),
+                    _num(r.heartbeat_age_s, ".1f"), _num(r.tokens_per_s, ",.0f"),
+                    _pct(r.duty_cycle) if r.role == "producer" else "",
+                    _pct(r.starvation) if r.role == "consumer" else "",
+                    _num(r.cpu_percent, ".0f"), _num(_mib(r.rss_bytes), ".0f"),
+                    _num(_mib(r.gpu_mem_bytes), ".0f"), _or_dash(r.restarts),
                     "{FREE}/{WRITING}/{READY}/{READING}".format(**ring) if isinstance(ring, dict) else "",
                     _work(r)])
     return out
 
 
+def _or_dash(x) -> str:
+    return "-" if x is None else str(x)
+
+
 def live_section(run_dir: Path, refresh_s: float) -> str:
     """The live part of the page: whether the run is going, its step, and the process table of ``status.json``."""
-    import json
-
-    from specring.supervisor.resume import supervisor_alive
     esc = html.escape
-    try:
-        st = json.loads((run_dir / "status.json").read_text())
-        rows = st.get("rows") or []
-        run_id = st.get("run_id", "?")
-    except (OSError, ValueError, AttributeError):
-        rows, run_id = [], "?"
-    pid = supervisor_alive(run_dir)
+    run = RunDir(run_dir)
+    st = run.read_status()
+    rows, run_id = (st.rows, "?" if st.run_id is None else st.run_id) if st is not None else ([], "?")
+    pid = run.supervisor_pid()
     going = (f"going (supervisor pid {pid})" if pid else "going") if pid is not None else \
         "not going: its supervisor has exited (the table is its last second)"
     state = f"run {esc(str(run_id))}: {esc(going)}; page rebuilt {esc(time.strftime('%H:%M:%S'))}, " \

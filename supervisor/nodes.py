@@ -44,6 +44,7 @@ import zmq
 
 from specring.shared import envs
 from specring.shared.errors import ConfigError, MessageError
+from specring.shared.run_dir import RunDir
 from specring.shared.transport import channel
 from specring.shared.transport import messages as m
 from specring.supervisor.peers import LogLimiter
@@ -166,7 +167,7 @@ def rendezvous(cfg, plan, ctx: zmq.Context, run_dir: str):
         try:  # the link holds a socket and an authenticator thread: closed on any failure, or ctx.term() hangs
             info = dict(mine, endpoint=link.endpoint, server_key=link.public_key.decode(),
                         dp_prefix=f"{base}dp-{secrets.token_hex(6)}/",
-                        checkpoints_dir=os.path.join(os.path.abspath(run_dir), "checkpoints"))
+                        checkpoints_dir=os.path.abspath(RunDir(run_dir).checkpoints_dir))
             _register(store, base + "node0", info, cfg)
             producers, consumers, errors = [mine["producers"]], [mine["consumers"]], []
             for k in range(1, nc.nnodes):

@@ -4,8 +4,8 @@
 supervisor saw: tokens/s between the first and the latest optimizer step, duty cycles and starvation
 (``shared.balance``), ring occupancy and restarts for the trackers of ``--report-to`` (``supervisor.reporting``),
 the last checkpoint (from messages, or from disk when its message was lost), the batches ``--resume`` will
-train, the τ evaluations that failed (``eval.jsonl``), and at the end ``summary.json`` (its fields are listed in
-README "Outputs").
+train, the τ evaluations that failed (``eval.jsonl``), and at the end ``summary.json`` (a
+``shared.run_records.Summary``, whose docstring lists its fields; written through ``shared.run_dir.RunDir``).
 
 State it uses on the supervisor: ``coordinator``, ``producers``/``consumers``, ``balance``, ``reporter``,
 ``progress``, ``run_dir``, ``run_id``, ``trained_steps``, ``trained_at_start``, ``last_checkpoint``, the
@@ -14,16 +14,15 @@ counters, and on several nodes ``topo``, ``link``, ``dead_nodes``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass
 
 from specring.shared.balance import run_balance
-from specring.shared.checkpoint import step_dir_name
+from specring.shared.run_dir import RunDir
+from specring.shared.run_records import EvalRecord, Summary
 from specring.supervisor.coordinator import Coordinator
-from specring.supervisor.resume import checkpoint_step_on_disk
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +79,10 @@ class RunRecords:
 
     def _checkpoint_from_disk(self) -> None:
         """Take ``checkpoints/latest`` as the last checkpoint when it is newer than the last one reported."""
-        step = checkpoint_step_on_disk(self.run_dir)
+        run = RunDir(self.run_dir)
+        step = run.latest_checkpoint_step()
         if step is not None and step > self.last_checkpoint.get("step", -1):
-            self.last_checkpoint = {"step": step, "path": str(self.run_dir / "checkpoints" / f"step-{step:06d}")}
+            self.last_checkpoint = {"step": step, "path": str(run.checkpoint_dir(step))}
 
     def _remaining(self, co: Coordinator) -> int:
         """Planned batches that ``--resume`` will train: neither bad nor in the last checkpoint (batches
@@ -94,12 +94,12 @@ class RunRecords:
                 saved.update(ids)
         return sum(1 for b in co.order if b not in saved and b not in co.bad)
 
-    def _eval_records(self) -> list[dict]:
+    def _eval_records(self) -> list[EvalRecord]:
         """The records of ``eval.jsonl`` (τ at checkpoints, and failed evaluations), read again only when the file
         changed since the last call (its inode, size or modification time); lines that do not parse are skipped."""
-        path = self.run_dir / "eval.jsonl"
+        run = RunDir(self.run_dir)
         try:
-            st = os.stat(path)
+            st = os.stat(run.eval_file)
         except OSError:
             self._eval_cache = (None, [])
             return []
@@ -107,18 +107,7 @@ class RunRecords:
         cached = getattr(self, "_eval_cache", None)
         if cached is not None and cached[0] == key:
             return cached[1]
-        recs = []
-        try:
-            lines = path.read_text().splitlines()
-        except OSError:
-            lines = []
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                recs.append(rec)
+        recs = run.read_evals()
         self._eval_cache = (key, recs)
         return recs
 
@@ -126,8 +115,8 @@ class RunRecords:
         """The τ evaluations that raised, from ``eval.jsonl`` (``consumer.tau.CheckpointEvaluator.record_failure``):
         ``[{"step", "error"}]`` in the order they happened; each new one is logged once (``eval_failed step=...``).
         Called about once a second by the loop and once more before the summary is written."""
-        out = [{"step": int(r.get("step", -1)), "error": str(r["error"])}
-               for r in self._eval_records() if r.get("error")]
+        out = [{"step": int(-1 if r.step is None else r.step), "error": str(r.error)}
+               for r in self._eval_records() if r.failed]
         seen = getattr(self, "eval_failures", [])
         for f in out[len(seen):] if out[:len(seen)] == seen else out:
             log.error("eval_failed step=%d error=%s: tau could not be measured (training goes on; see "
@@ -141,10 +130,9 @@ class RunRecords:
         out = []
         for rec in self._eval_records():
             try:
-                if rec.get("error") or rec.get("tau_mean") is None:
-                    continue
-                out.append((int(rec["step"]), float(rec["tau_mean"])))
-            except (KeyError, TypeError, ValueError):
+                if rec.measured:
+                    out.append((int(rec.step), float(rec.tau_mean)))
+            except (TypeError, ValueError):
                 continue
         return out
 
@@ -163,63 +151,60 @@ class RunRecords:
         if not taus:
             return None
         step, tau = max(taus, key=lambda st: st[1])  # max keeps the first of equals
-        ckpt_dir = self.run_dir / "checkpoints" / step_dir_name(step)
+        ckpt_dir = RunDir(self.run_dir).checkpoint_dir(step)
         return {"step": step, "tau_mean": tau, "checkpoint": str(ckpt_dir) if ckpt_dir.is_dir() else None}
 
     def _write_summary(self, outcome: Outcome) -> None:
         co = self.coordinator
         elapsed = time.monotonic() - self.started_at
-        summary = {
-            "exit_reason": outcome.exit_reason,
-            "run_id": self.run_id,
-            "planned_batches": len(co.order) if co else 0,
-            "trained_before_resume": co.trained_before if co else 0,
-            "trained_batches": len(co.trained) if co else 0,
-            "duplicate_batches": co.duplicates if co else 0,
+        summary = Summary(
+            exit_reason=outcome.exit_reason,
+            run_id=self.run_id,
+            planned_batches=len(co.order) if co else 0,
+            trained_before_resume=co.trained_before if co else 0,
+            trained_batches=len(co.trained) if co else 0,
+            duplicate_batches=co.duplicates if co else 0,
             # lost: a finished run that did not train a batch it planned (must be 0); remaining: batches a
             # stopped run has not reached yet (--resume trains them)
-            "lost_batches": len(co.lost()) if co and outcome.exit_reason == "done" else 0,
-            "remaining_batches": self._remaining(co) if co and outcome.exit_reason != "done" else 0,
-            "bad_batches": len(co.bad) if co else 0,
+            lost_batches=len(co.lost()) if co and outcome.exit_reason == "done" else 0,
+            remaining_batches=self._remaining(co) if co and outcome.exit_reason != "done" else 0,
+            bad_batches=len(co.bad) if co else 0,
             # batches of steps that updated no weight (no labels, non-finite loss); counted in trained_batches
-            "skipped_batches": len(co.skipped) if co else 0,
-            "updated_steps": co.updated_steps if co else 0,
-            "restarts": {str(c.index): c.restarts for c in self.producers},
-            "loss_first": co.loss_first if co else None,
-            "loss_last": co.loss_last if co else None,
-            "tokens_per_s": round(self.tokens_per_s(), 1),
-            "elapsed_s": round(elapsed, 2),
+            skipped_batches=len(co.skipped) if co else 0,
+            updated_steps=co.updated_steps if co else 0,
+            restarts={str(c.index): c.restarts for c in self.producers},
+            loss_first=co.loss_first if co else None,
+            loss_last=co.loss_last if co else None,
+            tokens_per_s=round(self.tokens_per_s(), 1),
+            elapsed_s=round(elapsed, 2),
             # seconds from the first child's spawn to the first optimizer step (imports, loads, warm-up, 1st batch)
-            "first_step_s": (round(self.first_trained_at - self.first_spawn_at, 2)
-                             if self.first_trained_at is not None and self.first_spawn_at is not None else None),
-            "rejected_messages": dict(co.rejected) if co else {},
-            "rejected_frames": self.rejected_frames,
-            "refused_commands": self.refused_commands,
-            "last_checkpoint": self.last_checkpoint,
-            "tau_last": self._tau_last(),
+            first_step_s=(round(self.first_trained_at - self.first_spawn_at, 2)
+                          if self.first_trained_at is not None and self.first_spawn_at is not None else None),
+            rejected_messages=dict(co.rejected) if co else {},
+            rejected_frames=self.rejected_frames,
+            refused_commands=self.refused_commands,
+            last_checkpoint=self.last_checkpoint,
+            tau_last=self._tau_last(),
             # the best held-out τ so far and its checkpoint (the plateau and the peak, from eval.jsonl)
-            "tau_best": self._tau_best(),
+            tau_best=self._tau_best(),
             # τ evaluations that raised ({step, error}); training went on without them
-            "eval_failures": self.poll_eval_failures(),
+            eval_failures=self.poll_eval_failures(),
             # duty cycle of producers, starvation of consumers, capacity per process (shared.balance)
-            "balance": self._balance(steady=True),
-        }
+            balance=self._balance(steady=True),
+        )
         if self.topo is not None:
-            summary["nodes"] = {"nnodes": self.topo.nnodes, "node_rank": self.cfg.nodes.node_rank,
-                                "producers": self.topo.producers, "consumers": self.topo.consumers,
-                                "dead_nodes": sorted(self.dead_nodes),
-                                "relocated_batches": getattr(co, "relocated", 0),
-                                # node 0: deaths of other nodes' producers (global index); their restarts are
-                                # in those nodes' summaries
-                                "producer_deaths_on_other_nodes": {str(k): v for k, v in
-                                                                   sorted(self.remote_producer_deaths.items())},
-                                "rejected_node_frames": self.link.rejected if self.link else 0,
-                                "refused_node_peers": self.link.allowed.refused if self.link and self.link.allowed
-                                else 0}
+            summary.nodes = {"nnodes": self.topo.nnodes, "node_rank": self.cfg.nodes.node_rank,
+                             "producers": self.topo.producers, "consumers": self.topo.consumers,
+                             "dead_nodes": sorted(self.dead_nodes),
+                             "relocated_batches": getattr(co, "relocated", 0),
+                             # node 0: deaths of other nodes' producers (global index); their restarts are
+                             # in those nodes' summaries
+                             "producer_deaths_on_other_nodes": {str(k): v for k, v in
+                                                                sorted(self.remote_producer_deaths.items())},
+                             "rejected_node_frames": self.link.rejected if self.link else 0,
+                             "refused_node_peers": self.link.allowed.refused if self.link and self.link.allowed
+                             else 0}
         if self.reporter is not None and self.reporter.names:  # what the trackers got (supervisor.reporting)
-            summary["report_to"] = self.reporter.stats()
-        p = self.run_dir / "summary.json"
-        tmp = p.with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary, indent=1))
-        os.replace(tmp, p)
+            summary.report_to = self.reporter.stats()
+        RunDir(self.run_dir).write_summary(summary)
         self.summary = summary

@@ -41,7 +41,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specring.supervisor.timeseries import TIMESERIES_FILE
+from specring.shared.run_dir import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    EVAL_FILE,
+    METRICS_FILE,
+    SUMMARY_FILE,
+    TIMESERIES_FILE,
+    RunDir,
+)
 
 # name -> (title, what it shows), in the page's order
 PLOTS = {
@@ -220,20 +228,21 @@ def load_run(path: str | Path, cache: dict | None = None) -> Run:
         raise FileNotFoundError(f"{path}: no such run directory")
     real = path.resolve()
     run = Run(path=path, name=real.name or str(path))
+    rundir = RunDir(path)
     p = run.problems
-    run.config = read_json(path / "config.json", "config.json", p,
+    run.config = read_json(rundir.config_file, CONFIG_FILE, p,
                            "written when the run starts: no configuration table; GPU-minutes count one device")
-    run.summary = read_json(path / "summary.json", "summary.json", p,
+    run.summary = read_json(rundir.summary_file, SUMMARY_FILE, p,
                             "written when the run ends: it is still going, or its supervisor was killed")
-    run.metrics = read_jsonl(path / "metrics.jsonl", "metrics.jsonl", p,
+    run.metrics = read_jsonl(rundir.metrics_file, METRICS_FILE, p,
                              "no optimizer step recorded: no loss, accuracy or draft throughput",
                              need=("step", "time"), cache=cache)
-    run.evals = read_jsonl(path / "eval.jsonl", "eval.jsonl", p,
+    run.evals = read_jsonl(rundir.eval_file, EVAL_FILE, p,
                            "no τ evaluation during training: --eval-prompts 0, or no checkpoint reached yet",
                            need=("step", "time"), cache=cache)
     ts_missing = ("no ring occupancy, duty cycle or starvation over time (runs from before timeseries.jsonl do "
                   "not have it); minutes count from the first optimizer step")
-    recs = read_jsonl(path / TIMESERIES_FILE, TIMESERIES_FILE, p, ts_missing, need=("kind", "time"), cache=cache)
+    recs = read_jsonl(rundir.timeseries_file, TIMESERIES_FILE, p, ts_missing, need=("kind", "time"), cache=cache)
     run.samples = [r for r in recs if r["kind"] == "sample"]
     run.events = [{"time": float(r["time"]), "event": str(r.get("event")), "text": str(r.get("text", ""))}
                   for r in recs if r["kind"] == "event"]
@@ -265,7 +274,7 @@ def _log_events(run_dir: Path, t0: float | None, problems: list[str]) -> list[di
     run without ``timeseries.jsonl``: the clock time of day is placed on the first day at or after ``t0`` that
     keeps the lines in order (second resolution; local time)."""
     from specring.supervisor.timeseries import EVENTS
-    log_path = run_dir / "logs" / "supervisor.log"
+    log_path = RunDir(run_dir).log_file("supervisor")
     if t0 is None or not log_path.is_file():
         return []
     try:
@@ -487,8 +496,8 @@ def _run_of(drafter: str | None, runs: list[Run]) -> tuple[Run | None, int | Non
     for run in runs:
         name = run.path.resolve().name
         if str(Path(drafter).resolve()).startswith(str(run.path.resolve()) + "/") or \
-                ("checkpoints" in parts and parts.index("checkpoints") > 0 and parts[parts.index("checkpoints") - 1]
-                 == name) or (parts and parts[-1] == name):
+                (CHECKPOINTS_DIR in parts and parts.index(CHECKPOINTS_DIR) > 0
+                 and parts[parts.index(CHECKPOINTS_DIR) - 1] == name) or (parts and parts[-1] == name):
             return run, step
     return None, step
 
@@ -892,7 +901,7 @@ def render_page(runs: list[Run], evals: list[dict], plots: list[Plot], title: st
 def default_output(run_dirs: list[Path]) -> Path:
     """``RUN_DIR/report`` for one run; ``./reports/A-vs-B`` for several."""
     if len(run_dirs) == 1:
-        return Path(run_dirs[0]) / "report"
+        return RunDir(run_dirs[0]).report_dir
     names = [Path(d).resolve().name for d in run_dirs]
     return Path.cwd() / "reports" / "-vs-".join(names)[:200]
 

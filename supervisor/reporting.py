@@ -42,6 +42,8 @@ from typing import Any
 from specring.shared import envs
 from specring.shared.config import REPORT_BACKENDS
 from specring.shared.errors import ConfigError
+from specring.shared.run_dir import RunDir
+from specring.shared.run_records import EvalRecord, MetricsRecord
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +100,7 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 class _TensorBoard:
     def __init__(self, run_dir: Path, run_id: str, config: dict):
         from torch.utils.tensorboard import SummaryWriter
-        self.w = SummaryWriter(str(run_dir / "tensorboard"))
+        self.w = SummaryWriter(str(RunDir(run_dir).tracker_dir("tensorboard")))
         self.w.add_text("config", json.dumps(config, indent=1))
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -130,7 +132,7 @@ class _Mlflow:
         self.mlflow = mlflow
         uri = envs.get("MLFLOW_TRACKING_URI")
         if not uri:  # the default: a file store in the run directory (newer MLflow asks for an explicit opt-in)
-            uri = (run_dir / "mlruns").resolve().as_uri()
+            uri = RunDir(run_dir).tracker_dir("mlruns").resolve().as_uri()
             envs.set_default("MLFLOW_ALLOW_FILE_STORE", "true")
         mlflow.set_tracking_uri(uri)
         mlflow.set_experiment(envs.get("MLFLOW_EXPERIMENT_NAME", "specring"))
@@ -190,34 +192,13 @@ class JsonlTail:
         return out
 
 
-def last_metrics(run_dir: str | Path, tail_bytes: int = 1 << 16) -> dict:
-    """The last complete record of ``RUN_DIR/metrics.jsonl`` (``{}`` when there is none yet), read from the
-    file's last ``tail_bytes`` only."""
-    path = Path(run_dir) / "metrics.jsonl"
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            size = f.tell()
-            f.seek(max(0, size - tail_bytes))
-            data = f.read()
-    except OSError:
-        return {}
-    for line in reversed(data[:data.rfind(b"\n") + 1].splitlines()):
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict):
-            return rec
-    return {}
-
-
-def train_metrics(m: dict) -> dict[str, float]:
+def train_metrics(m: MetricsRecord) -> dict[str, float]:
     """The tracked figures of one ``metrics.jsonl`` record (``train/...``), finite numbers only."""
-    out = {f"train/{k}": m[k] for k in ("loss", "accept_proxy", "lr", "grad_norm", "tokens_per_s")
-           if isinstance(m.get(k), (int, float))}
+    figures = {"loss": m.loss, "accept_proxy": m.family.get("accept_proxy"), "lr": m.lr, "grad_norm": m.grad_norm,
+               "tokens_per_s": m.tokens_per_s}
+    out = {f"train/{k}": v for k, v in figures.items() if isinstance(v, (int, float))}
     for key, name in (("per_slot_acc", "slot"), ("per_step_acc", "step")):
-        for i, a in enumerate(m.get(key) or []):
+        for i, a in enumerate(m.family.get(key) or []):
             if isinstance(a, (int, float)):
                 out[f"train/acc_{name}{i + (1 if name == 'slot' else 0)}"] = a
     return {k: float(v) for k, v in out.items() if math.isfinite(float(v))}
@@ -293,11 +274,12 @@ class Reporter:
     def __init__(self, names: list[str], run_dir: str | Path, run_id: str, config: dict, start_step: int = 0,
                  queue_records: int = QUEUE_RECORDS, close_wait_s: float = CLOSE_WAIT_S):
         self.run_dir = Path(run_dir)
+        run = RunDir(run_dir)
         self.names = list(names)
         self.close_wait_s = float(close_wait_s)
         self.start_step = int(start_step)
-        self.metrics = JsonlTail(self.run_dir / "metrics.jsonl", wait_for_replace=self.start_step > 0)
-        self.evals = JsonlTail(self.run_dir / "eval.jsonl")
+        self.metrics = JsonlTail(run.metrics_file, wait_for_replace=self.start_step > 0)
+        self.evals = JsonlTail(run.eval_file)
         self.step = self.start_step
         self.queued = self.dropped = self.sent = self.failed = self.not_sent = 0
         self.backends: dict[str, str] = {}   # name -> "started" / "disabled" / "dropped", as the worker says
@@ -323,8 +305,9 @@ class Reporter:
         env["PYTHONPATH"] = str(IMPORT_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env.pop(envs.RUN_ID, None)
         read_fd, write_fd = os.pipe()
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        with open(self.run_dir / "logs" / "trackers.log", "ab") as logf:
+        run = RunDir(self.run_dir)
+        run.logs_dir.mkdir(parents=True, exist_ok=True)
+        with open(run.log_file("trackers"), "ab") as logf:
             # a session of its own: a terminal's Ctrl-C or hang-up reaches the launcher only, which decides
             self.proc = subprocess.Popen([sys.executable, "-m", "specring.supervisor.reporting", "--worker",
                                           str(write_fd)], stdin=subprocess.PIPE, stdout=logf, stderr=subprocess.STDOUT,
@@ -401,19 +384,19 @@ class Reporter:
         if self.proc is None:
             return
         self._drain()
-        for m in self.metrics.read():
-            step = int(m.get("step", 0))
+        for m in [MetricsRecord.from_json(d) for d in self.metrics.read() if isinstance(d, dict)]:
+            step = int(m.step or 0)
             if step < self.start_step:
                 continue
             self.step = max(self.step, step)
             figures = train_metrics(m)
             if figures:
                 self._send(figures, step)
-        for e in self.evals.read():
-            if self.start_step and int(e.get("step", 0)) <= self.start_step:
+        for e in [EvalRecord.from_json(d) for d in self.evals.read() if isinstance(d, dict)]:
+            if self.start_step and int(e.step or 0) <= self.start_step:
                 continue
-            if isinstance(e.get("tau_mean"), (int, float)):
-                self._send({"eval/tau": float(e["tau_mean"])}, int(e.get("step", 0)))
+            if isinstance(e.tau_mean, (int, float)):
+                self._send({"eval/tau": float(e.tau_mean)}, int(e.step or 0))
         if pipeline:
             self._send({k: float(v) for k, v in pipeline.items() if v is not None}, self.step)
 

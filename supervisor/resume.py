@@ -3,8 +3,9 @@
 * A fresh run gets ``runs/<UTC time>`` unless ``--run-dir`` names one; ``runs/latest`` points at the newest
   run that passed its start-up checks. ``--resume`` without ``--run-dir`` resumes the run it points at; a
   ``--resume`` of a run that saved no checkpoint trains it from the beginning.
-* A run directory that a live launcher holds (``flock`` on ``RUN_DIR/.lock``, whatever PID namespace it runs
-  in) is refused (two supervisors would share a socket); ``status`` and ``clean`` ask the same lock.
+* A run directory that a live launcher holds (``shared.run_dir.RunDir.held``: ``flock`` on ``RUN_DIR/.lock``,
+  whatever PID namespace it runs in) is refused (two supervisors would share a socket); ``status`` and ``clean``
+  ask the same lock.
 * A fresh run into a directory that already holds checkpoints is refused (use ``--resume`` or another
   directory) so no earlier result is overwritten.
 * ``--resume``: the trained batch ids come from the latest checkpoint (``shared.checkpoint``); the
@@ -18,62 +19,16 @@
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
-import json
 import logging
-import os
-import secrets
-import shutil
 import sys
-import time
 from pathlib import Path
 
-from specring.shared import paths
 from specring.shared.config import RunConfig
 from specring.shared.errors import ConfigError
+from specring.shared.run_dir import RunDir
 
 log = logging.getLogger(__name__)
-
-CLAIM_RETRY_S = 1.0  # how long claim_run_dir retries a lock that a momentary run_dir_held() probe may hold
-
-
-def run_dir_held(run_dir: Path) -> bool:
-    """Whether a live launcher holds ``run_dir`` (its ``flock`` on ``RUN_DIR/.lock``, see ``claim_run_dir``).
-
-    The kernel says whether the lock is held, so the answer is right whatever PID namespace the launcher runs
-    in (a container sharing the directory) and whatever pid it had. A lock held by this very process counts.
-    """
-    try:
-        fd = os.open(Path(run_dir) / ".lock", os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def supervisor_alive(run_dir: Path) -> int | None:
-    """The supervisor pid recorded in ``topology.json`` (as seen in the supervisor's own PID namespace; 0 if
-    unreadable) when a live launcher holds ``run_dir`` (``run_dir_held``), else None."""
-    if not run_dir_held(run_dir):
-        return None
-    try:
-        return int(json.loads((Path(run_dir) / "topology.json").read_text())["supervisor_pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return 0
-
-
-def stale_sockets(run_dir: Path) -> list[Path]:
-    """Socket files in ``run_dir`` left by a launcher that no longer holds it."""
-    sock = Path(run_dir) / "coord.sock"
-    if sock.exists() and not run_dir_held(Path(run_dir)):
-        return [sock]
-    return []
 
 
 def prepare_run_dir(cfg: RunConfig) -> bool:
@@ -84,31 +39,32 @@ def prepare_run_dir(cfg: RunConfig) -> bool:
     Returns True when a new ``runs/<UTC time>`` was chosen (``claim_run_dir`` then moves ``runs/latest``;
     ``train --plan`` stops before that)."""
     new_default = False
-    latest = latest_link()
+    latest = RunDir.latest_link()
     if cfg.resume:
         cfg.run_dir = resume_dir(cfg.run_dir)
     elif cfg.run_dir in ("", "runs/default"):
         if latest.exists() and not latest.is_symlink():
             raise ConfigError(f"--run-dir: {latest} is not the symbolic link specring keeps there; move it away "
                               f"or give --run-dir")
-        cfg.run_dir = str(paths.runs_dir() / time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
+        cfg.run_dir = str(RunDir.new_default())
         new_default = True
-    run_dir = Path(cfg.run_dir)
+    run = RunDir(cfg.run_dir)
+    run_dir = run.path
     check_run_dir_outputs(cfg, run_dir)
-    pid = supervisor_alive(run_dir)
+    pid = run.supervisor_pid()
     if pid is not None:
         raise ConfigError(f"--run-dir: a run is already going in {run_dir} (supervisor pid {pid}); "
                           f"watch it with `launch.py status --run-dir {run_dir}`")
-    ckpts = run_dir / "checkpoints"
-    steps = sorted(p.name for p in ckpts.glob("step-*") if p.is_dir()) if ckpts.is_dir() else []
-    if not cfg.resume and (steps or (ckpts / "latest").exists()):
+    steps = run.checkpoint_names()
+    pointer = run.checkpoint_pointer
+    if not cfg.resume and (steps or pointer.exists()):
         raise ConfigError(f"--run-dir: {run_dir} already holds checkpoints of an earlier run; "
                           f"continue it with --resume or choose another --run-dir")
-    if cfg.resume and (ckpts / "latest").exists() and checkpoint_step_on_disk(run_dir) is None:
-        name = (ckpts / "latest").read_text(errors="replace").strip()
-        raise ConfigError(f"--resume: {ckpts / 'latest'} names {name!r}, which is not a complete checkpoint "
+    if cfg.resume and pointer.exists() and run.latest_checkpoint_step() is None:
+        name = pointer.read_text(errors="replace").strip()
+        raise ConfigError(f"--resume: {pointer} names {name!r}, which is not a complete checkpoint "
                           f"(complete ones: {', '.join(steps) or 'none'}); write the name of one of them into it")
-    if cfg.resume and (ckpts / "latest").exists():
+    if cfg.resume and pointer.exists():
         check_latest_readable(run_dir)
     return new_default
 
@@ -122,7 +78,7 @@ def check_latest_readable(run_dir: Path) -> None:
     from specring.shared.checkpoint import check_checkpoint_files, last_good_checkpoint, latest_checkpoint
     from specring.shared.errors import CorruptFile
 
-    ckpts = Path(run_dir) / "checkpoints"
+    ckpts = RunDir(run_dir).checkpoints_dir
     latest = latest_checkpoint(ckpts)
     try:
         check_checkpoint_files(latest)
@@ -138,21 +94,14 @@ def check_latest_readable(run_dir: Path) -> None:
         raise ConfigError(f"--resume: the latest checkpoint {latest.name} cannot be read: {e}; {how}") from None
 
 
-# what a run writes into its directory (files, then directories)
-RUN_RECORDS = ("config.json", "summary.json", "data.json", "status.json", "topology.json", "metrics.jsonl",
-               "eval.jsonl", "draft_vocab.safetensors", "timeseries.jsonl", "coord.sock", ".lock")
-RUN_DIRS = ("checkpoints", "logs", "tensorboard", "wandb", "mlruns")
-
-
 def check_run_dir_outputs(cfg: RunConfig, run_dir: Path) -> None:
-    """Refuse a ``--run-dir`` whose records (``RUN_RECORDS``, ``RUN_DIRS``) would replace what the run reads: a
+    """Refuse a ``--run-dir`` whose records (``shared.run_dir.RunDir.records``) would replace what the run reads: a
     file of the target's directory (``--run-dir`` the target itself), ``--data``, ``--heldout`` or their
     sidecars (``shared.outputs.check_outputs``; ``ConfigError`` naming ``--run-dir``)."""
     from specring.shared.data.dataset import sidecar_path
     from specring.shared.outputs import check_outputs
 
-    outputs = {f"run record {name}": run_dir / name for name in RUN_RECORDS}
-    outputs.update({f"run's {name} directory": run_dir / name for name in RUN_DIRS})
+    outputs = RunDir(run_dir).records()
     inputs = {"target directory": cfg.producer.target if Path(cfg.producer.target).is_dir() else None}
     for flag, path in (("--data", cfg.data.data), ("--heldout", cfg.data.heldout)):
         if path:
@@ -170,42 +119,20 @@ def claim_run_dir(cfg: RunConfig, new_default: bool, record: dict | None = None)
     default run. Writes ``record`` (``data_record``) as ``RUN_DIR/data.json`` when the run starts without
     a checkpoint, or when a resumed run has none yet. Raises ``ConfigError`` when another launcher holds the
     directory."""
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(run_dir / ".lock", "a")
-    deadline = time.monotonic() + CLAIM_RETRY_S
-    while True:  # run_dir_held() of a status/clean elsewhere holds a shared lock for a moment
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except OSError:
-            if time.monotonic() >= deadline:
-                lock.close()
-                raise ConfigError(f"--run-dir: another launcher is starting or running in {run_dir}") from None
-            time.sleep(0.02)
-    ckpts = run_dir / "checkpoints"
-    if ckpts.is_dir():
-        for tmp in ckpts.glob(".step-*.tmp-*"):
-            shutil.rmtree(tmp, ignore_errors=True)  # a write cut short by a dead consumer: never a checkpoint
-        for tmp in ckpts.glob(".latest.tmp-*"):
-            tmp.unlink(missing_ok=True)
-    if checkpoint_step_on_disk(run_dir) is None and not (ckpts / "latest").exists():
+    run = RunDir(cfg.run_dir)
+    lock = run.claim()  # ConfigError when another launcher holds it
+    run.remove_half_written_checkpoints()
+    if run.latest_checkpoint_step() is None and not run.checkpoint_pointer.exists():
         if cfg.resume:
-            log.warning("resume run_dir=%s has no checkpoint: its batches are trained from the beginning", run_dir)
-        for name in ("metrics.jsonl", "eval.jsonl", "summary.json"):
-            (run_dir / name).unlink(missing_ok=True)
-        shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
-        (run_dir / DATA_RECORD).unlink(missing_ok=True)
-    if record is not None and not (run_dir / DATA_RECORD).exists():
-        tmp = run_dir / f".{DATA_RECORD}.tmp-{os.getpid()}"
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, run_dir / DATA_RECORD)
+            log.warning("resume run_dir=%s has no checkpoint: its batches are trained from the beginning", run.path)
+        run.forget_void_records()
+    if record is not None and not run.data_file.exists():
+        run.write_data_record(record)
     if new_default:
-        point_latest(cfg.run_dir)
+        run.point_latest()
     return lock
 
 
-DATA_RECORD = "data.json"
 # Config fields that shape the batch order (with the data and the number of consumers): see runplan.
 PLAN_FIELDS = ("data.max_tokens", "data.max_batch_size", "data.bucket_edges", "data.num_buckets", "data.seed",
                "trainer.epochs", "trainer.max_steps", "trainer.grad_accum")
@@ -252,14 +179,15 @@ def check_resume_data(cfg: RunConfig, plan) -> dict:
     A changed run length (``LENGTH_FIELDS``: ``--max-steps``, ``--epochs``) is no change of plan: the
     first batches of the new order (``RunPlan.first_batches``) must be those the run recorded."""
     record = data_record(cfg, plan)
-    run_dir = Path(cfg.run_dir)
-    if not cfg.resume or checkpoint_step_on_disk(run_dir) is None:
+    run = RunDir(cfg.run_dir)
+    run_dir = run.path
+    if not cfg.resume or run.latest_checkpoint_step() is None:
         return record
-    path = run_dir / DATA_RECORD
+    path = run.data_file
     try:
-        old = json.loads(path.read_text())
+        old = run.read_data_record()
     except FileNotFoundError:
-        print(f"warning: {run_dir} has no {DATA_RECORD} (started by an older specring): cannot check that "
+        print(f"warning: {run_dir} has no {path.name} (started by an older specring): cannot check that "
               f"{cfg.data.data} still holds the data it trained on; recording it now", file=sys.stderr)
         return record
     except (OSError, ValueError) as e:
@@ -284,49 +212,16 @@ def check_resume_data(cfg: RunConfig, plan) -> dict:
     return record
 
 
-def point_latest(run_dir: str) -> None:
-    """Point ``runs/latest`` at ``run_dir`` (a directory under ``runs/``), atomically."""
-    latest = latest_link()
-    latest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = latest.with_name(f".latest-{secrets.token_hex(8)}")  # not the pid: launchers in containers share it
-    if tmp.is_symlink():
-        tmp.unlink()
-    tmp.symlink_to(Path(run_dir).name)
-    try:
-        os.replace(tmp, latest)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise ConfigError(f"--run-dir: cannot point {latest} at {run_dir}: {e}") from None
-
-
-def latest_link() -> Path:
-    """``./runs/latest``: the link to the newest run, and the default of ``status``/``restart``."""
-    return paths.runs_dir() / "latest"
-
-
 def resume_dir(run_dir: str) -> str:
     """The directory ``--resume`` continues: ``run_dir``, or without ``--run-dir`` the run that
     ``runs/latest`` points at."""
     if run_dir not in ("", "runs/default"):
         return run_dir
-    latest = latest_link()
+    latest = RunDir.latest_link()
     try:
         return str(latest.resolve(strict=False) if latest.is_symlink() else latest)
     except (OSError, RuntimeError) as e:  # a link loop
         raise ConfigError(f"--resume: {latest} cannot be followed ({e}); give --run-dir") from None
-
-
-def checkpoint_step_on_disk(run_dir: Path) -> int | None:
-    """Optimizer step of the checkpoint that ``checkpoints/latest`` names (read from its name, nothing is
-    loaded), or None when there is no complete one."""
-    from specring.shared.checkpoint import latest_checkpoint
-    try:
-        path = latest_checkpoint(Path(run_dir) / "checkpoints")
-    except (OSError, ValueError):  # latest names a directory without weights, or cannot be read
-        return None
-    if path is None or not path.name.startswith("step-") or not path.name[5:].isdigit():
-        return None
-    return int(path.name[5:])
 
 
 def read_checkpoint_batches(run_dir: Path) -> tuple[set[int], set[int]]:
@@ -334,7 +229,7 @@ def read_checkpoint_batches(run_dir: Path) -> tuple[set[int], set[int]]:
     weights, and those whose steps were skipped (no labels, non-finite loss); two empty sets if there is
     no checkpoint. Reads the trainer state only (memory-mapped), not the weights."""
     from specring.shared.checkpoint import latest_checkpoint, load_trainer_state
-    path = latest_checkpoint(Path(run_dir) / "checkpoints")
+    path = latest_checkpoint(RunDir(run_dir).checkpoints_dir)
     if path is None:
         return set(), set()
     state = load_trainer_state(path, mmap=True)
@@ -349,24 +244,25 @@ def prepare_draft_vocab(cfg: RunConfig, plan) -> str:
     ``""`` for a DFlash run). Raises ``ConfigError`` naming ``--resume`` when a resumed run's file is
     missing or is not the vocabulary its drafter needs, ``ConfigError`` naming ``--data`` when a token id
     lies outside the target's vocabulary."""
-    from specring.shared.draft_vocab import draft_vocab_path, read_draft_vocab, write_draft_vocab
+    from specring.shared.draft_vocab import read_draft_vocab, write_draft_vocab
     from specring.shared.drafters import get_family
 
     if not get_family(cfg.trainer.drafter).needs_draft_vocab:
         return ""
-    run_dir = Path(cfg.run_dir)
+    run = RunDir(cfg.run_dir)
+    run_dir = run.path
     if not plan.vocab_size:
         raise ConfigError(f"--target: {cfg.producer.target}/config.json has no vocab_size, which an EAGLE-3 draft "
                           f"vocabulary needs")
-    if cfg.resume and (draft_vocab_path(run_dir).exists() or checkpoint_step_on_disk(run_dir) is not None):
+    if cfg.resume and (run.draft_vocab_file.exists() or run.latest_checkpoint_step() is not None):
         read_draft_vocab(run_dir, plan.draft_vocab_size, plan.vocab_size, prefix="--resume: ")
-        log.info("draft_vocab read=%s size=%d", draft_vocab_path(run_dir), plan.draft_vocab_size)
+        log.info("draft_vocab read=%s size=%d", run.draft_vocab_file, plan.draft_vocab_size)
         return "read"
     try:
         d2t, _ = write_draft_vocab(run_dir, cfg.data.data, plan.vocab_size, plan.draft_vocab_size)
     except ValueError as e:
         raise ConfigError(f"--data: {e}") from None
-    log.info("draft_vocab built=%s size=%d", draft_vocab_path(run_dir), d2t.numel())
+    log.info("draft_vocab built=%s size=%d", run.draft_vocab_file, d2t.numel())
     return "built"
 
 
@@ -379,16 +275,17 @@ def check_resume_draft_vocab(cfg: RunConfig, plan) -> None:
     import torch
 
     from specring.shared.checkpoint import WEIGHTS_FILE, latest_checkpoint, read_safetensors
-    from specring.shared.draft_vocab import draft_vocab_path, read_draft_vocab
+    from specring.shared.draft_vocab import read_draft_vocab
     from specring.shared.drafters import get_family
     from specring.shared.errors import CorruptFile
 
-    run_dir = Path(cfg.run_dir)
+    run = RunDir(cfg.run_dir)
+    run_dir = run.path
     if not cfg.resume or not get_family(cfg.trainer.drafter).needs_draft_vocab or \
-            checkpoint_step_on_disk(run_dir) is None or not plan.vocab_size:
+            run.latest_checkpoint_step() is None or not plan.vocab_size:
         return
     d2t, t2d = read_draft_vocab(run_dir, plan.draft_vocab_size, plan.vocab_size, prefix="--resume: ")
-    weights = latest_checkpoint(run_dir / "checkpoints") / WEIGHTS_FILE
+    weights = latest_checkpoint(run.checkpoints_dir) / WEIGHTS_FILE
     try:
         saved = read_safetensors(weights, keys=["d2t", "t2d"])
     except CorruptFile as e:
@@ -396,7 +293,7 @@ def check_resume_draft_vocab(cfg: RunConfig, plan) -> None:
     differ = [k for k, mine in (("d2t", d2t), ("t2d", t2d))
               if k in saved and (saved[k].shape != mine.shape or not torch.equal(saved[k].to(mine.dtype), mine))]
     if differ:
-        raise ConfigError(f"--resume: {draft_vocab_path(run_dir)} is not the draft vocabulary the checkpoint "
+        raise ConfigError(f"--resume: {run.draft_vocab_file} is not the draft vocabulary the checkpoint "
                           f"{weights.parent.name} was trained with ({' and '.join(differ)} differ from those in "
                           f"{weights}): restore the run's own draft_vocab.safetensors (it was built once, when the "
                           f"run started), or start a new run")

@@ -5,44 +5,41 @@ The file is the run's state for tools that do not talk to the socket (benchmarks
 atomically (written aside, then renamed), so a reader sees a whole file or the previous one, never a torn
 write. It says nothing once the supervisor has exited: the rows are those of its last second.
 
-A row: ``role``, ``index``, ``pid``, ``generation``, ``state``, ``heartbeat_age_s`` (None before Hello),
-``tokens_per_s``, ``gpu_mem_bytes``, ``restarts``, ``work``/``work_s`` (what the main thread is busy with,
-from its last heartbeat), the monitor's psutil figures (``cpu_percent``, ``rss_bytes``, ``threads``),
-for a producer ``duty_cycle`` (fraction of the time since its first batch spent on forward + capture + slot
-write, the rest waiting for a lease) and ``ring``: its slot counts by state, and for a consumer
-``starvation`` (fraction of the time since its first batch spent waiting for a delivered slot); both None
-before the first batch or from a child that does not report them (``shared.balance``).
+A row is a ``shared.run_records.StatusRow`` (its docstring lists the figures): ``role``, ``index``, ``pid``,
+``generation``, ``state``, ``heartbeat_age_s`` (None before Hello), ``tokens_per_s``, ``gpu_mem_bytes``,
+``restarts``, ``work``/``work_s`` (what the main thread is busy with, from its last heartbeat), the monitor's psutil
+figures (``cpu_percent``, ``rss_bytes``, ``threads``), for a producer ``duty_cycle`` (fraction of the time since
+its first batch spent on forward + capture + slot write, the rest waiting for a lease) and ``ring``: its slot
+counts by state, and for a consumer ``starvation`` (fraction of the time since its first batch spent waiting for a
+delivered slot); both None before the first batch or from a child that does not report them (``shared.balance``).
+Where the file lives and how it is replaced: ``shared.run_dir.RunDir.write_status``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
-STATUS_FILE = "status.json"
+from specring.shared.run_dir import RunDir
+from specring.shared.run_records import StatusFile, StatusRow
 
 
-def write_status(run_dir: str | Path, run_id: str, rows: list[dict]) -> None:
+def write_status(run_dir: str | Path, run_id: str, rows: list[StatusRow]) -> None:
     """Replace ``run_dir/status.json`` with ``rows`` (and this process's pid and the run id)."""
-    p = Path(run_dir) / STATUS_FILE
-    tmp = p.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"pid": os.getpid(), "run_id": run_id, "rows": rows}))
-    os.replace(tmp, p)
+    RunDir(run_dir).write_status(StatusFile(pid=os.getpid(), run_id=run_id, rows=rows))
 
 
 def read_status_rows(run_dir: str | Path) -> list[dict]:
-    """The process rows of ``run_dir/status.json`` (``[]`` before the supervisor has written it)."""
-    try:
-        return json.loads((Path(run_dir) / STATUS_FILE).read_text())["rows"]
-    except (OSError, ValueError, KeyError):
-        return []
+    """The process rows of ``run_dir/status.json`` as plain dicts, as written (for tools and tests that index them;
+    ``[]`` before the supervisor has written it)."""
+    status = RunDir(run_dir).read_status()
+    return [r.to_json() for r in status.rows] if status is not None else []
 
 
 # ------------------------------------------------------------ a row's figures as `launch.py status` prints them
-def status_work(row: dict) -> str:
+def status_work(row: StatusRow) -> str:
     """``batch 17 for 3.2s`` (what the child's main thread is on, from its last heartbeat), ``-`` when idle."""
-    what, secs = row.get("work"), row.get("work_s")
+    what, secs = row.work, row.work_s
     return f"{what} for {secs:.1f}s" if what and isinstance(secs, (int, float)) else "-"
 
 

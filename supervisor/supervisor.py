@@ -27,7 +27,6 @@ children and the stop flag, and lines about bad peers are rate-limited. A signal
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -41,13 +40,14 @@ from specring.shared.balance import ProcessBalance
 from specring.shared.config import RunConfig
 from specring.shared.procs import (
     RUN_ID_ENV,
-    Topology,
     become_subreaper,
     install_stop_handlers,
     restore_handlers,
     spawn_child,
     sweep_run_processes,
 )
+from specring.shared.run_dir import RunDir
+from specring.shared.run_records import StatusRow, Topology
 from specring.shared.transport import channel
 from specring.shared.transport.ring import (
     Ring,
@@ -138,15 +138,16 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
 
     def _setup(self) -> None:
         cfg = self.cfg
+        run = RunDir(self.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         os.chmod(self.run_dir, 0o700)
-        (self.run_dir / "logs").mkdir(exist_ok=True)
+        run.logs_dir.mkdir(exist_ok=True)
         for pid, run_id, cmd in sweep_run_processes(run_owned):
             log.warning("sweep process pid=%d run_id=%s cmd=%r reason=run_gone", pid, run_id, cmd)
         removed = sweep_stale()
         if removed:
             log.info("sweep removed=%d segments=%s", len(removed), ",".join(removed))
-        self.address = channel.coordinator_address(str(self.run_dir), cfg.tcp)
+        self.address = run.coordinator_address(cfg.tcp)
         if self.address.startswith("ipc://") and os.path.exists(self.address[6:]):
             os.unlink(self.address[6:])  # a dead run's: this launcher holds RUN_DIR/.lock (claim_run_dir)
         trained: set[int] = set()
@@ -172,10 +173,10 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
             os.chmod(os.path.join("/dev/shm", ring.name), 0o600)
             self.rings.append(ring)
         self.router = channel.bind_router(self.ctx, self.address)
-        (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
-        Topology(run_id=self.run_id, address=self.address, rings=[r.name for r in self.rings],
-                 slot_bytes=self.plan.slot_bytes, num_slots=cfg.ring.num_slots,
-                 supervisor_pid=os.getpid()).save(self.run_dir)
+        run.write_config(cfg)
+        run.write_topology(Topology(run_id=self.run_id, address=self.address, rings=[r.name for r in self.rings],
+                                    slot_bytes=self.plan.slot_bytes, num_slots=cfg.ring.num_slots,
+                                    supervisor_pid=os.getpid()))
         self.timeseries = TimeSeries(self.run_dir, self.run_id, resume=bool(cfg.resume), producers=n,
                                      consumers=len(self.consumers), num_slots=cfg.ring.num_slots)
         self.dist_port = _free_port()
@@ -196,7 +197,7 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
                         "WORLD_SIZE": str(len(self.consumers)), "RANK": str(child.index)})
         generation = self.coordinator.generation(child.role, child.index)
         proc = spawn_child(module, str(self.run_dir), child.index, generation,
-                           self.run_dir / "logs" / f"{child.name}.log", env=env)
+                           RunDir(self.run_dir).log_file(child.name), env=env)
         self.monitor.started(child, proc)
         if self.first_spawn_at is None:
             self.first_spawn_at = time.monotonic()
@@ -300,12 +301,12 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
                 self._report()
         self._sample_timeseries(self.status_rows(), force=True)  # the state the loop ended in
 
-    def _sample_timeseries(self, rows: list[dict], force: bool = False) -> None:
+    def _sample_timeseries(self, rows: list[StatusRow], force: bool = False) -> None:
         """A sample of ``RUN_DIR/timeseries.jsonl`` (``supervisor.timeseries``, read by ``launch.py report``): the
         status ``rows`` and the run's step, loss, tokens/s, balance and trained batches and tokens."""
-        self.timeseries.sample(rows, self.progress.step, self.progress.total, self.progress.loss, self.tokens_per_s(),
-                               self._balance(steady=False), len(self.coordinator.trained), self.tokens_trained,
-                               force=force)
+        self.timeseries.sample([r.to_json() for r in rows], self.progress.step, self.progress.total,
+                               self.progress.loss, self.tokens_per_s(), self._balance(steady=False),
+                               len(self.coordinator.trained), self.tokens_trained, force=force)
 
 
 def _free_port() -> int:

@@ -38,9 +38,10 @@ import threading
 import time
 from pathlib import Path
 
+from specring.shared.run_dir import RunDir
+
 log = logging.getLogger(__name__)
 
-TIMESERIES_FILE = "timeseries.jsonl"
 MAX_SAMPLES = 2000
 MAX_EVENTS = 2000
 # the first word of a supervisor log line (before a space or "=") -> the event recorded for it
@@ -63,7 +64,7 @@ class TimeSeries:
     def __init__(self, run_dir: str | Path, run_id: str, *, resume: bool = False, producers: int = 0,
                  consumers: int = 0, num_slots: int = 0, interval_s: float = 1.0,
                  max_samples: int = MAX_SAMPLES, max_events: int = MAX_EVENTS):
-        self.path = Path(run_dir) / TIMESERIES_FILE
+        self.path = RunDir(run_dir).timeseries_file
         self.max_samples = max(4, int(max_samples))
         self.max_events = int(max_events)
         self.interval_s = float(interval_s)

@@ -67,6 +67,7 @@ def test_run_dir_default_is_a_new_stamped_dir_and_resume_defaults_to_latest(tmp_
     """No --run-dir: a fresh run gets runs/<UTC time>; runs/latest moves only when point_latest is called
     (after the start-up checks); --resume without --run-dir resolves to what runs/latest points at."""
     from specring.shared.config import RunConfig
+    from specring.shared.run_dir import RunDir
     from specring.supervisor import resume
 
     monkeypatch.chdir(tmp_path)  # runs go under the current directory
@@ -76,7 +77,7 @@ def test_run_dir_default_is_a_new_stamped_dir_and_resume_defaults_to_latest(tmp_
     stamped = Path(cfg.run_dir)
     assert stamped.parent == tmp_path / "runs" and stamped.name != "latest"
     assert not (tmp_path / "runs" / "latest").is_symlink()  # not before the run passed its checks
-    resume.point_latest(cfg.run_dir)
+    RunDir(cfg.run_dir).point_latest()
     assert (tmp_path / "runs" / "latest").resolve() == stamped.resolve()
     again = RunConfig()
     again.run_dir, again.resume = "runs/default", True

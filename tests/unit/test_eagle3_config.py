@@ -19,7 +19,8 @@ from specring.shared.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab, writ
 from specring.shared.errors import ConfigError
 from specring.shared.models.eagle3 import build_draft_vocab, draft_to_target
 from specring.shared.models.layer_ids import default_eagle3_layer_ids
-from specring.supervisor.resume import checkpoint_step_on_disk, prepare_draft_vocab
+from specring.shared.run_dir import RunDir
+from specring.supervisor.resume import prepare_draft_vocab
 from specring.supervisor.runplan import resolve_run
 from tests.support import TARGET, make_dataset
 
@@ -191,7 +192,7 @@ def test_the_supervisor_builds_the_vocabulary_once_and_reads_it_back_on_resume(d
     step.mkdir(parents=True)
     (step / WEIGHTS_FILE).write_bytes(b"")
     (run_dir / "checkpoints" / "latest").write_text("step-000002")
-    assert checkpoint_step_on_disk(run_dir) == 2
+    assert RunDir(run_dir).latest_checkpoint_step() == 2
     path.unlink()
     with pytest.raises(ConfigError, match=rf"^--resume: {path} is missing"):  # never rebuilt once trained on
         prepare_draft_vocab(cfg, plan)

@@ -6,7 +6,19 @@ import fcntl
 import json
 import os
 
-from specring.supervisor.resume import run_dir_held, stale_sockets, supervisor_alive
+from specring.shared.run_dir import RunDir
+
+
+def run_dir_held(path):
+    return RunDir(path).held()
+
+
+def supervisor_alive(path):
+    return RunDir(path).supervisor_pid()
+
+
+def stale_sockets(path):
+    return RunDir(path).stale_sockets()
 
 
 def test_a_held_lock_says_alive_whatever_pid_topology_records(tmp_path):
