@@ -1,6 +1,7 @@
-"""The flags of ``launch.py train``, derived from the config declaration (``specring.shared.config``).
+"""The flags of ``launch.py train`` and of the other commands, derived from their declarations
+(``specring.shared.config``, ``specring.shared.command_config``).
 
-Nothing here names a config field: every field declared with ``setting``/``num`` becomes
+Nothing here names a config field: every field of ``RunConfig`` declared with ``setting``/``num`` becomes
 
 * a flag ``--SECTION.FIELD-NAME`` (``--trainer.grad-clip``; ``--run-dir`` for ``RunConfig``'s own fields)
   plus its declared aliases (``--lr``; ``--slot-mb`` with its scale), parsed by its type: ``int``/``float``
@@ -15,6 +16,13 @@ FILE``, then flags; a field that follows another (``data.seed`` follows ``traine
 when only that one is set; then, when every device is CPU, each CPU default the user did not set. With
 ``--resume`` the saved ``config.json`` of the run is the base instead, and a flag may only change it where
 its field says so (``config_from_args``).
+
+The other commands (``eval``, ``export``, ``regenerate``, ``prepare``) declare their options the same way, one
+flat dataclass per command (``shared.config.option_specs``); ``command_parser`` derives the command's parser from
+any such class (one flag ``--FIELD-NAME`` per field, parsed by its type as above; a ``switch`` field is a flag that
+takes no value, an ``nargs``/``repeat``/``positional`` field takes its values as declared; ``--help`` grouped by
+the class's ``HELP_GROUPS``, every default shown) and ``command_config`` builds the typed object from the parsed
+flags, a bad value's ``ConfigError`` naming the flag as typed.
 """
 
 from __future__ import annotations
@@ -26,7 +34,15 @@ import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from specring.shared.config import Alias, FieldSpec, RunConfig, field_specs, finite_number, section_classes
+from specring.shared.config import (
+    Alias,
+    FieldSpec,
+    RunConfig,
+    field_specs,
+    finite_number,
+    option_specs,
+    section_classes,
+)
 from specring.shared.device_groups import is_cpu_group
 from specring.shared.errors import ConfigError
 
@@ -96,28 +112,37 @@ def show(value: Any, scale: int = 1, unit: str = "") -> str:
     return f"{text} {unit}" if unit else text
 
 
+def _one_of(choices: tuple) -> Callable[[str], str]:
+    """The text itself, refused with ``argparse.ArgumentTypeError`` unless one of ``choices`` (when any)."""
+    def parse_text(text: str) -> str:
+        if choices and text not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+    return parse_text
+
+
 def value_parser(spec: FieldSpec, alias: Alias | None = None) -> Callable[[str], Any]:
-    """The ``argparse`` ``type=`` of a field's flag (``alias``: of that alias, with its scale)."""
+    """The ``argparse`` ``type=`` of a field's flag (``alias``: of that alias, with its scale): of each value
+    on its own for a list field that takes one value per argument (``nargs``, ``repeat``, ``positional``),
+    else of a comma list for a list field."""
     base, scale = spec.base_type, (alias.scale if alias else 1)
     choices = spec.meta.get("choices") or ()
     if typing.get_origin(base) is list:
         (item,) = typing.get_args(base)
-        one = finite_number(item, scale) if item in (int, float) else str
+        one = finite_number(item, scale) if item in (int, float) else _one_of(choices)
 
         def parse_value(text: str) -> Any:
             parts = [p.strip() for p in text.split(",") if p.strip()]
             if not parts:
-                raise argparse.ArgumentTypeError(f"expected a comma-separated list such as "
-                                                 f"{'1,9,17' if item is int else 'cpu,cpu or cuda:0,cuda:1'}, "
-                                                 f"got {text!r}")
+                example = {int: "1,9,17"}.get(item) or (",".join(choices) if choices else "cpu,cpu or cuda:0,cuda:1")
+                raise argparse.ArgumentTypeError(f"expected a comma-separated list such as {example}, got {text!r}")
             return [one(p) for p in parts]
+        if spec.meta.get("nargs") or spec.meta.get("repeat") or spec.meta.get("positional"):
+            parse_value = one
     elif base in (int, float):
         parse_value = finite_number(base, scale)
     else:
-        def parse_value(text: str) -> Any:
-            if choices and text not in choices:
-                raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
-            return text
+        parse_value = _one_of(choices)
 
     def parse(text: str) -> Any:
         if spec.optional and text.strip().lower() == "none":
@@ -137,21 +162,37 @@ def _error(option_string: str, message: str) -> argparse.ArgumentError:
 
 
 class _FieldAction(argparse.Action):
-    """Parse a field's value (``parse``, see ``value_parser``), store it under the field's key (``dest``) and
-    remember the flag as typed (``ns.flag_of``), so that errors name the flag the user wrote."""
+    """Parse a field's value (``parse``, see ``value_parser``; each of them when argparse gives a list, ``nargs``),
+    store it under the field's key (``dest``; appended to the values before with ``repeat``) and remember the flag
+    as typed (``ns.flag_of``; a positional argument: its name), so that errors name the flag the user wrote."""
 
-    def __init__(self, option_strings, dest, parse: Callable[[str], Any] | None = None, **kw):
-        self.parse = parse
+    def __init__(self, option_strings, dest, parse: Callable[[str], Any] | None = None, repeat: bool = False, **kw):
+        self.parse, self.repeat = parse, repeat
         super().__init__(option_strings, dest, **kw)
 
     def __call__(self, parser, namespace, values, option_string=None):
+        if values is argparse.SUPPRESS:  # an empty positional of some Python versions
+            return
+        option_string = option_string or self.dest
         if self.parse is not None:
             try:
-                values = self.parse(values)
+                values = [self.parse(v) for v in values] if isinstance(values, list) else self.parse(values)
             except argparse.ArgumentTypeError as e:
                 raise _error(option_string, str(e)) from None
+        if self.repeat:
+            values = list(getattr(namespace, self.dest, None) or []) + [values]
         setattr(namespace, self.dest, values)
         vars(namespace).setdefault("flag_of", {})[self.dest] = option_string
+
+
+class _SwitchAction(_FieldAction):
+    """A ``switch`` field's flag: takes no value, sets the field on (``--trust-remote-code``)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, True, option_string)
 
 
 class _BoolAction(_FieldAction):
@@ -200,7 +241,7 @@ def metavar(spec: FieldSpec, alias: Alias | None = None) -> str:
         text = "N,N,..." if typing.get_args(base)[0] is int else "DEV,DEV,..."
     else:
         text = {int: "N", float: "X"}.get(base, "TEXT")
-    return text + "|none" if spec.optional else text
+    return text + "|none" if spec.optional and not spec.required else text
 
 
 def default_help(spec: FieldSpec, alias: Alias | None = None) -> str:
@@ -260,10 +301,21 @@ class CommandHelpFormatter(argparse.HelpFormatter):
 
 
 def _add_field(group, spec: FieldSpec) -> None:
-    """The flags of one field: ``--SECTION.FIELD`` with its unscaled aliases, and one action per scaled alias."""
+    """The flags of one field: ``--SECTION.FIELD`` with its unscaled aliases, and one action per scaled alias; a
+    positional argument, a switch, a field of several values (``nargs``, ``repeat``) as ``FieldSpec`` says. A
+    required field's line shows no default."""
     plain = [a for a in spec.aliases if a.scale == 1]
     scaled = [a for a in spec.aliases if a.scale != 1]
-    help_ = f"{spec.help} {default_help(spec)}".replace("%", "%%")
+    shown = spec.required or spec.meta.get("positional")
+    help_ = (spec.help if shown else f"{spec.help} {default_help(spec)}").replace("%", "%%")
+    if spec.meta.get("positional"):
+        group.add_argument(spec.key, action=_FieldAction, parse=value_parser(spec), nargs=spec.meta.get("nargs"),
+                           default=argparse.SUPPRESS, help=help_)
+        return
+    if spec.meta.get("switch"):
+        group.add_argument(spec.flag, *[a.flag for a in plain], dest=spec.key, action=_SwitchAction,
+                           default=argparse.SUPPRESS, required=spec.required, help=help_)
+        return
     if spec.base_type is bool:
         flags = [spec.flag] + [a.flag for a in plain]
         negatives = [_negative(f) for f in flags]
@@ -274,7 +326,8 @@ def _add_field(group, spec: FieldSpec) -> None:
         return
     mv = metavar(spec)
     a = group.add_argument(spec.flag, *[x.flag for x in plain], dest=spec.key, action=_FieldAction,
-                           parse=value_parser(spec), default=argparse.SUPPRESS, metavar=mv, help=help_)
+                           parse=value_parser(spec), default=argparse.SUPPRESS, metavar=mv, help=help_,
+                           nargs=spec.meta.get("nargs"), repeat=bool(spec.meta.get("repeat")), required=spec.required)
     a.invocation = ", ".join([spec.flag] + [x.flag for x in plain]) + " " + mv
     for alias in scaled:
         mv = metavar(spec, alias)
@@ -305,6 +358,37 @@ def build_parser() -> argparse.ArgumentParser:
         for spec in sorted((s for s in specs if s.group == title), key=lambda s: not s.section):
             _add_field(group, spec)  # a group's section fields first, then RunConfig's own (--tcp)
     return ap
+
+
+def command_parser(cls: type, prog: str, description: str, epilog: str) -> argparse.ArgumentParser:
+    """The parser of a command whose options ``cls`` declares (``shared.config.option_specs``: ``EvalConfig``,
+    ...): one flag per field, in the groups of ``cls.HELP_GROUPS``, with ``CommandHelpFormatter``. A field's value
+    lands in the namespace under its name only when given (``command_config`` builds ``cls`` from it)."""
+    ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
+                                 formatter_class=CommandHelpFormatter)
+    specs = list(option_specs(cls).values())
+    for title in dict.fromkeys(s.group for s in specs):
+        group = ap.add_argument_group(title)
+        for spec in specs:
+            if spec.group == title:
+                _add_field(group, spec)
+    return ap
+
+
+def command_config(cls: type, args: argparse.Namespace) -> Any:
+    """``cls`` (a command's options, see ``command_parser``) from the flags given, each other field at its default.
+
+    Raises ``ConfigError`` naming the flag as typed (else the field's flag) when the value is refused (a bound, a
+    choice, a required option: ``shared.config.check_fields``)."""
+    specs = option_specs(cls)
+    values = {key: getattr(args, key) for key in specs if hasattr(args, key)}
+    try:
+        return cls(**values)
+    except ConfigError as e:
+        if e.key in specs:
+            name = getattr(args, "flag_of", {}).get(e.key) or specs[e.key].preferred_flag
+            raise ConfigError(f"{name}: {e.detail}", key=e.key, detail=e.detail) from None
+        raise
 
 
 # ------------------------------------------------------------------------------------------ --config

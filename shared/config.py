@@ -17,6 +17,9 @@ declaration come:
 
 ``RunConfig.to_dict()`` / ``RunConfig.from_dict()`` are the serialised form that is passed to child
 processes and stored in the run directory (``config.json``).
+
+The other commands' options (``eval``, ``export``, ``regenerate``, ``prepare``) are declared the same way, in
+``specring.shared.command_config``; ``option_specs`` walks such a class as ``field_specs`` walks ``RunConfig``.
 """
 
 from __future__ import annotations
@@ -67,7 +70,8 @@ def setting(default: Any = dataclasses.MISSING, *, help: str = "", aliases: tupl
             choices: tuple = (), cpu_default: Any = dataclasses.MISSING, resume: bool = False,
             group: str | None = None, metavar: str | None = None, default_text: str | None = None,
             machine_default: Callable[[], Any] | None = None, follows: str | None = None,
-            filled_at_start: bool = False, path: bool = False, hub: bool = False, ge: float | None = None,
+            filled_at_start: bool = False, path: bool = False, hub: bool = False, switch: bool = False,
+            nargs: str | None = None, repeat: bool = False, positional: bool = False, ge: float | None = None,
             gt: float | None = None, le: float | None = None, unit: str = "", **kw: Any) -> Any:
     """Declare a config field: its default and everything derived from it (see ``FieldSpec``).
 
@@ -76,14 +80,15 @@ def setting(default: Any = dataclasses.MISSING, *, help: str = "", aliases: tupl
     ``cpu_default`` the default when every device is CPU; ``resume=True``: the value may change on
     ``--resume``; ``path=True``: a file or directory (compared resolved); ``hub=True``: a directory or a Hugging
     Face hub id (``shared.hub.resolve_model_dir``, resolved when the run starts); ``ge``/``gt``/``le``/``unit``:
-    bounds of a number (see ``num``); the other keywords are described on ``FieldSpec``. A list default is
-    copied for each instance."""
+    bounds of a number (see ``num``); ``switch``/``nargs``/``repeat``/``positional``: how a command's flag takes
+    its value (see ``FieldSpec``); the other keywords are described on ``FieldSpec``. A list default is copied
+    for each instance."""
     meta: dict[str, Any] = {"ge": ge, "gt": gt, "le": le, "unit": unit, "help": help,
                             "aliases": tuple(a if isinstance(a, Alias) else Alias(a) for a in aliases),
                             "choices": tuple(choices), "resume": resume, "group": group, "metavar": metavar,
                             "default_text": default_text, "machine_default": machine_default,
                             "follows": follows, "filled_at_start": filled_at_start, "path": path,
-                            "hub": hub}
+                            "hub": hub, "switch": switch, "nargs": nargs, "repeat": repeat, "positional": positional}
     if cpu_default is not dataclasses.MISSING:
         meta["cpu_default"] = cpu_default
     if isinstance(default, list):
@@ -131,14 +136,19 @@ def check_numbers(obj: Any) -> None:
 
 
 def check_fields(obj: Any) -> None:
-    """``check_numbers``, then every field with declared ``choices`` holds one of them (``None`` is left to
-    the type check). Raises ``ConfigError`` naming the field."""
+    """``check_numbers``, then every field with declared ``choices`` holds one of them (each item of a list
+    field; ``None`` is left to the type check), and every field the class names in its ``REQUIRED`` (a
+    command's option whose shared declaration has a default, e.g. ``regenerate``'s ``target``) is set (not
+    ``None`` or empty). Raises ``ConfigError`` naming the field."""
     check_numbers(obj)
     for f in dataclasses.fields(obj):
         choices = f.metadata.get("choices")
         value = getattr(obj, f.name)
         if choices and value is not None:
-            _require(value in choices, f.name, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+            for x in value if isinstance(value, list) else [value]:
+                _require(x in choices, f.name, f"must be one of {', '.join(map(str, choices))}, got {x!r}")
+    for name in getattr(type(obj), "REQUIRED", ()):
+        _require(getattr(obj, name) not in (None, "", []), name, "is required")
 
 
 def finite_number(kind: type = float, scale: float = 1.0) -> Callable[[str], Any]:
@@ -668,13 +678,20 @@ class FieldSpec:
     ``machine_default`` (a callable giving the command line's default on this machine); ``follows`` (the
     key of a field whose value this one takes when only that one is set); ``filled_at_start`` (the
     default, 0/none/empty, is resolved when the run starts: on ``--resume`` it stands for the saved value).
+
+    How a command's option (``option_specs``) takes its value: ``switch`` (a yes/no flag that takes no value:
+    off unless given, on when given; no ``--no-`` form), ``nargs`` (``"+"``: one or more values after the flag,
+    each parsed on its own; ``"*"`` for a positional), ``repeat`` (the flag may be given several times, each
+    adding one value to the list), ``positional`` (an argument without a flag, named by the field).
+    ``required``: the option must be given (a field without a default, or named in its class's ``REQUIRED``).
     """
-    section: str        # "" for RunConfig's own fields
+    section: str        # "" for RunConfig's own fields and for every field of a command's options
     name: str
     hint: Any
     default: Any
     meta: Mapping[str, Any]
     group: str
+    required: bool = False
 
     @property
     def key(self) -> str:
@@ -683,7 +700,10 @@ class FieldSpec:
 
     @property
     def flag(self) -> str:
-        """``--trainer.lr``, ``--monitor.backoff-max-s``, ``--run-dir``."""
+        """``--trainer.lr``, ``--monitor.backoff-max-s``, ``--run-dir``, ``--max-new-tokens`` (a command's
+        option); a positional argument's name (``inputs``)."""
+        if self.meta.get("positional"):
+            return self.name
         return "--" + self.key.replace("_", "-")
 
     @property
@@ -742,7 +762,41 @@ def _specs() -> tuple[FieldSpec, ...]:
     return tuple(out)
 
 
-def field_specs() -> dict[str, FieldSpec]:
+def field_specs(cls: type | None = None) -> dict[str, FieldSpec]:
     """Every declared field of ``RunConfig`` by key (``"run_dir"``, ``"trainer.lr"``), in declaration
-    order: ``RunConfig``'s own fields, then each section's."""
+    order: ``RunConfig``'s own fields, then each section's. With ``cls``, a command's options instead
+    (``option_specs``)."""
+    if cls is not None and cls is not RunConfig:
+        return option_specs(cls)
     return {s.key: s for s in _specs()}
+
+
+@functools.cache
+def _option_specs(cls: type) -> tuple[FieldSpec, ...]:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    groups = getattr(cls, "HELP_GROUPS", None) or {getattr(cls, "GROUP", "options"): tuple(fields)}
+    placed = [(title, name) for title, names in groups.items() for name in names]
+    names = [name for _, name in placed]
+    nested = [n for n in fields if dataclasses.is_dataclass(hints[n])]
+    if sorted(names) != sorted(fields) or len(set(names)) != len(names) or nested:
+        raise TypeError(f"{cls.__name__}.HELP_GROUPS must place every field once, and no field may be a section: "
+                        f"fields {sorted(fields)}, placed {names}, sections {nested}")
+    required = set(getattr(cls, "REQUIRED", ()))
+    out = []
+    for title, name in placed:
+        f = fields[name]
+        default = _default_of(f)
+        out.append(FieldSpec("", name, hints[name], default, f.metadata, title,
+                             required=name in required or default is dataclasses.MISSING))
+    return tuple(out)
+
+
+def option_specs(cls: type) -> dict[str, FieldSpec]:
+    """The options of a command (``launch.py eval``, ...) by field name, in ``--help`` order: ``cls`` is a flat
+    keyword-only dataclass declared like the run's configuration (``setting``/``num`` per field, option groups
+    shared by several commands composed as its dataclass bases), with ``HELP_GROUPS`` (``--help`` group title ->
+    its field names, in order; every field placed once) and ``REQUIRED`` (fields with a shared default that this
+    command requires). Each field is the flag ``--FIELD-NAME`` (or a positional argument). Raises ``TypeError``
+    when ``HELP_GROUPS`` misses, repeats or invents a field, or a field is itself a dataclass."""
+    return {s.key: s for s in _option_specs(cls)}
