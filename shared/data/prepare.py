@@ -7,15 +7,9 @@ writer ``shared.data.writer``'s.
 from __future__ import annotations
 
 import glob
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from specring.shared.config import (
-    MAX_INT32,
-    check_numbers,
-    num,
-)
 from specring.shared.data.encode import (
     CHUNK_ROWS,
     EncoderConfig,
@@ -26,17 +20,6 @@ from specring.shared.data.encode import (
 )
 from specring.shared.data.writer import _tokenizer_meta, write_dataset
 from specring.shared.errors import ConfigError
-
-
-@dataclass(kw_only=True)
-class PrepareOptions:
-    """The numeric options of ``launch.py prepare`` (``None``: the command's default), checked like every
-    config field (``shared.config.check_numbers``: finite, in range); ``ConfigError.key`` names the field."""
-    max_length: int | None = num(None, ge=1, le=MAX_INT32)   # tokens per sample
-    workers: int | None = num(None, ge=1, le=1024)           # tokenizer processes
-
-    def __post_init__(self):
-        check_numbers(self)
 
 
 def expand_inputs(specs: list[str]) -> list[Path]:

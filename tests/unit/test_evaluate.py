@@ -341,14 +341,14 @@ def test_cli_reports_checkpoint_and_baselines_losslessly(tmp_path, prompts, dcfg
 def test_cli_names_a_decoding_failure_in_one_line_and_exits_1(tmp_path, prompts, capsys, monkeypatch):
     """Issue 24: a decode that raises (as a hybrid target's cache crop once did) is one ``error:`` line, exit 1,
     no traceback."""
-    import specring.cli.eval as cli_eval
+    import specring.shared.evaluation as evaluation
 
     data = _write_arrow(tmp_path / "heldout.arrow", [p + p for p in prompts[:1]])
 
     def broken(*args, **kwargs):
         raise RuntimeError("crop was called, but the current layer does not track past states.\nCall it first")
 
-    monkeypatch.setattr(cli_eval, "decode_prompts", broken)
+    monkeypatch.setattr(evaluation, "decode_prompts", broken)
     capsys.readouterr()
     rc = main(["--baselines-only", "--baselines", "prompt-lookup", "--data", str(data), "--num-prompts", "1",
                "--prompt-len", "48", "--max-new-tokens", "4", "--device", "cpu", "--no-lossless-check"])

@@ -21,6 +21,7 @@ from specring.cli.prepare import build_parser as prepare_parser
 from specring.cli.prepare import main as prepare_main
 from specring.cli.train import build_parser, config_from_args
 from specring.shared import config as C
+from specring.shared.command_config import PrepareConfig
 from specring.shared.errors import ConfigError
 from tests.support import REPO
 
@@ -111,8 +112,15 @@ def test_a_run_too_long_to_plan_names_max_steps(tmp_path):
         resolve_run(cfg)
 
 
-@pytest.mark.parametrize("flag", [a.option_strings[0] for a in prepare_parser()._actions
-                                  if getattr(a.type, "__name__", "") in ("int", "float")])
+PREPARE_NUMERIC_FLAGS = [spec.flag for spec in C.option_specs(PrepareConfig).values() if _numeric(spec)]
+
+
+def test_every_numeric_prepare_flag_is_covered():
+    assert {"--max-length", "--workers"} <= set(PREPARE_NUMERIC_FLAGS)
+    assert set(PREPARE_NUMERIC_FLAGS) <= {s for a in prepare_parser()._actions for s in a.option_strings}
+
+
+@pytest.mark.parametrize("flag", PREPARE_NUMERIC_FLAGS)
 @pytest.mark.parametrize("value", BAD + ["0"])
 def test_bad_prepare_flag_values_name_the_flag(tmp_path, flag, value, capsys):
     src = tmp_path / "in.jsonl"

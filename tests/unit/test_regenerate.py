@@ -123,8 +123,11 @@ def test_include_input_appends_the_input_unchanged(tmp_path):
 
 def test_bad_flags_are_named(tmp_path, capsys):
     inp = write_arrow(tmp_path / "in.arrow", [(list(range(10, 40)), [1] * 30)])
-    assert run(tmp_path, inp, "--temperature", "nan") == 2
-    assert "--temperature" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # not a finite number: refused while parsing
+        run(tmp_path, inp, "--temperature", "nan")
+    assert e.value.code == 2 and "argument --temperature: expected a finite number" in capsys.readouterr().err
+    assert run(tmp_path, inp, "--temperature", "-1") == 2  # out of the declared range
+    assert "--temperature: must be >= 0" in capsys.readouterr().err
     import importlib.util
     if importlib.util.find_spec("vllm") is None:
         assert run(tmp_path, inp, "--backend", "vllm") == 2
