@@ -36,7 +36,6 @@ for a delivered slot, i.e. starved).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from datetime import timedelta
 
@@ -47,6 +46,7 @@ from specring.shared import envs
 from specring.shared.errors import BadBatch as BadBatchError
 from specring.shared.errors import MessageError, SlotError
 from specring.shared.procs import ChildContext, child_main
+from specring.shared.run_dir import RunDir
 from specring.shared.transport import messages as m
 from specring.shared.transport.layout import read_tensors
 from specring.shared.transport.ring import Ring
@@ -171,7 +171,7 @@ def body(ctx: ChildContext) -> None:
         trainer = Trainer(cfg.trainer, dcfg, cfg.producer.target, device, ctx.run_dir, rank=rank,
                           world_size=world, process_group=group, **extra)
         if cfg.resume:  # another node than 0 reads node 0's checkpoints (a shared filesystem)
-            path = latest_checkpoint(envs.get(CHECKPOINTS_ENV) or os.path.join(ctx.run_dir, "checkpoints"))
+            path = latest_checkpoint(envs.get(CHECKPOINTS_ENV) or RunDir(ctx.run_dir).checkpoints_dir)
             if path is not None:
                 trainer.load_checkpoint(path)
                 log.info("resume checkpoint=%s step=%d", path, trainer.step_count)

@@ -2,16 +2,16 @@
 (``consumer.tau_worker``, started and reaped by rank 0 of the consumers, off the training path).
 
 It decodes with ``specring.shared.models.speculative`` against its own copy of the target and appends a
-record per evaluation to ``RUN_DIR/eval.jsonl``; an evaluation that raises appends a failure record there
-instead (``record_failure``: ``error`` set, ``tau_mean`` null), which the supervisor names in its progress line,
-in ``summary.json`` (``eval_failures``) and in the run's last line. The heavy imports (the decoding loop,
-transformers) happen on first use, so that a process that only records failures stays light.
+record per evaluation to ``RUN_DIR/eval.jsonl`` (a ``shared.run_records.EvalRecord``); an evaluation that raises
+appends a failure record there instead (``record_failure``: ``error`` set, ``tau_mean`` null), which the
+supervisor names in its progress line, in ``summary.json`` (``eval_failures``) and in the run's last line. The
+heavy imports (the decoding loop, transformers) happen on first use, so that a process that only records failures
+stays light.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -21,6 +21,8 @@ from typing import Any
 import torch
 
 from specring.shared import faults
+from specring.shared.run_dir import RunDir
+from specring.shared.run_records import EvalRecord, append_line
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +45,7 @@ class CheckpointEvaluator:
     def __init__(self, run_cfg, device: torch.device, run_dir: str | Path, prompt_len: int = 64):
         self.cfg = run_cfg
         self.device = device
-        self.path = Path(run_dir) / "eval.jsonl"
+        self.path = RunDir(run_dir).eval_file
         self.prompt_len = prompt_len
         self.target = None
         self.prompts: list[list[int]] = []
@@ -87,16 +89,15 @@ class CheckpointEvaluator:
         except Exception as e:
             self.record_failure(step, e, eval_s=time.perf_counter() - t0)
             raise
-        rec = {"step": int(step), "tau_mean": r["tau_mean"], "tau_p50": r["tau_p50"], "tau_p90": r["tau_p90"],
-               "forwards_per_token": r["forwards_per_token"], "cache_rollback": r.get("cache_rollback"),
-               "loss": loss, "prompts": len(self.prompts),
-               "eval_s": round(time.perf_counter() - t0, 2), "time": time.time()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        rec = EvalRecord(step=int(step), tau_mean=r["tau_mean"], tau_p50=r["tau_p50"], tau_p90=r["tau_p90"],
+                         forwards_per_token=r["forwards_per_token"], cache_rollback=r.get("cache_rollback"),
+                         loss=loss, prompts=len(self.prompts), eval_s=round(time.perf_counter() - t0, 2),
+                         time=time.time())
+        append_line(self.path, rec)
         logger.info("tau step=%d tau=%.3f p50=%s p90=%s forwards_per_token=%.3f loss=%s prompts=%d eval_s=%.1f",
-                    step, rec["tau_mean"], rec["tau_p50"], rec["tau_p90"], rec["forwards_per_token"],
-                    "-" if loss is None else f"{loss:.3f}", len(self.prompts), rec["eval_s"])
-        return rec
+                    step, rec.tau_mean, rec.tau_p50, rec.tau_p90, rec.forwards_per_token,
+                    "-" if loss is None else f"{loss:.3f}", len(self.prompts), rec.eval_s)
+        return rec.to_json()
 
     def record_failure(self, step: int, error: BaseException | str, stage: str = "eval",
                        eval_s: float | None = None) -> dict[str, Any]:
@@ -113,11 +114,10 @@ def record_failure(path: str | Path, step: int, error: BaseException | str, stag
     Never raises (a full disk is logged)."""
     text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
     text = " ".join(text.split())[:500]
-    rec = {"step": int(step), "tau_mean": None, "error": text, "stage": stage,
-           "eval_s": None if eval_s is None else round(eval_s, 2), "time": time.time()}
+    rec = EvalRecord(step=int(step), tau_mean=None, error=text, stage=stage,
+                     eval_s=None if eval_s is None else round(eval_s, 2), time=time.time())
     try:
-        with open(path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_line(path, rec)
     except OSError as e:
         logger.error("tau_eval_record_failed path=%s error=%s", path, e)
-    return rec
+    return rec.to_json()

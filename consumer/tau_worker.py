@@ -56,6 +56,7 @@ from pathlib import Path
 
 from specring.consumer.tau import record_failure
 from specring.shared.paths import IMPORT_ROOT
+from specring.shared.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,6 @@ MAX_STARTS = 3  # evaluator processes started in one consumer's life (the first 
 MAX_OWED = 4  # evaluations owed at once (the one running and those waiting): beyond, the newest waiting gives way
 CLOSE_GRACE_S = 5.0  # at close: SIGTERM, this long, then SIGKILL
 IDLE_EXIT_S = 1.0  # at close: an idle evaluator told to stop (EOF) gets this long before the SIGTERM
-SNAPSHOT_DIR = "tau"  # RUN_DIR/tau/: weights of evaluations between checkpoints
 
 
 def _one_line(text: str, limit: int = 500) -> str:
@@ -85,8 +85,9 @@ class TauWorker:
     def __init__(self, run_dir: str | Path, device: str, *, index: int = 0, generation: int = 1,
                  batch_timeout_s: float = 1800.0, startup_timeout_s: float = 300.0, max_starts: int = MAX_STARTS):
         self.run_dir = Path(run_dir)
-        self.eval_path = self.run_dir / "eval.jsonl"
-        self.snapshot_dir = self.run_dir / SNAPSHOT_DIR
+        run = RunDir(run_dir)
+        self.eval_path = run.eval_file
+        self.snapshot_dir = run.tau_dir  # RUN_DIR/tau/: weights of evaluations between checkpoints
         self.device = str(device)
         self.index, self.generation = int(index), int(generation)
         self.batch_timeout_s, self.startup_timeout_s = float(batch_timeout_s), float(startup_timeout_s)
@@ -416,7 +417,6 @@ def serve(args) -> int:
 
     from specring.consumer.tau import CheckpointEvaluator
     from specring.shared import threads
-    from specring.shared.config import RunConfig
     from specring.shared.drafters import get_family
 
     device = torch.device(args.device)
@@ -427,9 +427,10 @@ def serve(args) -> int:
         os.write(fd, (json.dumps(ev) + "\n").encode())
 
     run_dir = Path(args.run_dir)
+    run = RunDir(run_dir)
     t0 = time.perf_counter()
     try:
-        cfg = RunConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+        cfg = run.read_config()
         evaluator = CheckpointEvaluator(cfg, device, run_dir, prompt_len=cfg.trainer.eval_prompt_len)
         if device.type == "cuda":
             torch.cuda.set_device(device)
@@ -449,8 +450,7 @@ def serve(args) -> int:
     except _Stopped:
         raise
     except Exception as e:  # noqa: BLE001 - τ during training is optional: recorded (stage load), off for the run
-        evaluator_path = run_dir / "eval.jsonl"
-        rec = record_failure(evaluator_path, args.step, e, stage="load")
+        rec = record_failure(run.eval_file, args.step, e, stage="load")
         log.error("load_failed error=%s", rec["error"])
         emit(event="load_failed", error=rec["error"])
         return 1
@@ -471,7 +471,7 @@ def serve(args) -> int:
         try:
             _read_weights(drafter, req["weights"])
         except Exception as e:  # noqa: BLE001 - a checkpoint that does not read is a failed evaluation
-            rec = record_failure(run_dir / "eval.jsonl", step, e, stage="weights")
+            rec = record_failure(run.eval_file, step, e, stage="weights")
             log.error("tau_eval_failed step=%d error=%s", step, rec["error"])
             emit(event="failed", step=step, error=rec["error"])
             continue

@@ -28,10 +28,8 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -47,6 +45,8 @@ from specring.shared.drafters import family_of, get_family
 from specring.shared.drafters.contract import ObjectiveContext, StepStats
 from specring.shared.drafters.linear_ce import resolve_linear_ce
 from specring.shared.errors import BadBatch, MessageError
+from specring.shared.run_dir import RunDir
+from specring.shared.run_records import MetricsRecord
 from specring.shared.transport.slot_batch import SlotBatch
 
 logger = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ class Trainer:
         self.nonfinite_in_row = 0
         self._reset_window()
 
-        self._metrics_path = self.run_dir / "metrics.jsonl"
+        self._run = RunDir(self.run_dir)  # metrics.jsonl, checkpoints/
         self._write_metrics = write_metrics and rank == 0
         if self._write_metrics:  # the supervisor sends these lines to the trackers (--report-to)
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -372,8 +372,7 @@ class Trainer:
     def _log_metrics(self, m: dict[str, Any]) -> None:
         if not self._write_metrics:
             return
-        with open(self._metrics_path, "a") as f:
-            f.write(json.dumps(m) + "\n")
+        self._run.append_metrics(MetricsRecord.from_json(m))
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
@@ -454,7 +453,7 @@ class Trainer:
         state = self.state_dict()
         tensors = dict(state.pop("model"))
         tensors.update(self.model.frozen_state_dict())
-        root = Path(checkpoints_dir) if checkpoints_dir is not None else self.run_dir / "checkpoints"
+        root = Path(checkpoints_dir) if checkpoints_dir is not None else self._run.checkpoints_dir
         return ckpt.save_checkpoint(root, self.step_count, tensors, state, self.dcfg.to_dict(), self.keep_last,
                                     drafter=self.kind)
 
@@ -475,12 +474,8 @@ class Trainer:
         frozen = set(self.model.frozen_state_dict())
         state["model"] = {k: v for k, v in tensors.items() if k not in frozen}
         self.load_state_dict(state)
-        if self._write_metrics and self._metrics_path.is_file():
-            keep = [ln for ln in self._metrics_path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) < self.step_count]
-            tmp = self._metrics_path.with_suffix(f".tmp-{os.getpid()}")
-            tmp.write_text("".join(ln + "\n" for ln in keep))
-            os.replace(tmp, self._metrics_path)
+        if self._write_metrics:
+            self._run.keep_metrics_before(self.step_count)
         logger.info("resumed step=%d from=%s trained_batches=%d", self.step_count, step_dir,
                     len(self.trained_batch_ids))
         return step_dir

@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 
 from specring.shared import faults
 from specring.shared.errors import CorruptFile
+from specring.shared.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +260,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     p = Path(path)
     if (p / WEIGHTS_FILE).is_file() or is_export(p):
         return p
-    for root in (p, p / "checkpoints"):
+    for root in (p, RunDir(p).checkpoints_dir):
         found = latest_checkpoint(root) if (root / LATEST_FILE).is_file() else None
         if found is not None:
             return found
@@ -330,11 +331,10 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
 
 def target_of_checkpoint(step_dir: str | Path) -> Path | None:
     """The target a checkpoint was trained against, from ``run_dir/config.json`` (``producer.target``) of
-    the run that holds ``run_dir/checkpoints/step-*/``; None when it is not recorded."""
-    run_dir = Path(step_dir).resolve().parent.parent
-    cfg_path = run_dir / "config.json"
+    the run that holds ``run_dir/checkpoints/step-*/`` (``shared.run_dir.RunDir.read_config``); None when it is
+    not recorded (no run directory, or a configuration that does not read)."""
     try:
-        target = json.loads(cfg_path.read_text())["producer"]["target"]
-    except (OSError, ValueError, KeyError, TypeError):
+        target = RunDir.of_checkpoint(step_dir).read_config().producer.target
+    except (OSError, ValueError):  # ConfigError is a ValueError
         return None
     return Path(target) if target else None

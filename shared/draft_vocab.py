@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 from specring.shared.errors import ConfigError
-
-DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+from specring.shared.run_dir import DRAFT_VOCAB_FILE as DRAFT_VOCAB_FILE  # its name, for readers of this module
+from specring.shared.run_dir import RunDir
 
 
 def draft_vocab_path(run_dir: str | Path) -> Path:
-    """``RUN_DIR/draft_vocab.safetensors``."""
-    return Path(run_dir) / DRAFT_VOCAB_FILE
+    """``RUN_DIR/draft_vocab.safetensors`` (``shared.run_dir.RunDir.draft_vocab_file``)."""
+    return RunDir(run_dir).draft_vocab_file
 
 
 def write_draft_vocab(run_dir: str | Path, data_path: str | Path, vocab_size: int,

@@ -69,6 +69,7 @@ from specring.shared.models.dflash import (
 )
 from specring.shared.models.target_config import read_target_config
 from specring.shared.models.target_config import text_config as _text_config
+from specring.shared.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -271,10 +272,9 @@ def _measured(step_dir: Path, drafter: DFlashDrafter, dtype: str) -> dict[str, A
     out: dict[str, Any] = {"checkpoint_dtype": ck, "tau_measured": None}
     try:
         step = int(step_dir.name.split("-")[1])
-        for line in (step_dir.parent.parent / "eval.jsonl").read_text().splitlines():
-            rec = json.loads(line)
-            if int(rec.get("step", -1)) == step:
-                out["tau_measured"] = {"step": step, "tau_mean": rec.get("tau_mean"), "dtype": ck}
+        for rec in RunDir(step_dir.parent.parent).read_evals():  # the run that holds checkpoints/step-N
+            if int(-1 if rec.step is None else rec.step) == step:
+                out["tau_measured"] = {"step": step, "tau_mean": rec.tau_mean, "dtype": ck}
     except (OSError, ValueError, IndexError, TypeError):
         pass
     if dtype != ck:

@@ -40,6 +40,7 @@ from specring.shared.models.eagle3 import (
     Eagle3Drafter,
 )
 from specring.shared.models.layer_ids import default_eagle3_layer_ids
+from specring.shared.run_dir import RunDir
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 REQUIRED_CONFIG = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -128,8 +129,8 @@ def export_eagle3(checkpoint: str | Path, output_dir: str | Path, dtype: str = "
         raise ValueError(f"{step_dir} is not an EAGLE-3 checkpoint")
     model = ckpt.load_drafter(step_dir)
     cfg = model.config
-    run_cfg_path = step_dir.parent.parent / "config.json"
-    target = json.loads(run_cfg_path.read_text())["producer"]["target"] if run_cfg_path.is_file() else None
+    run = RunDir(step_dir.parent.parent)  # the run that holds checkpoints/step-N, when it is one
+    target = run.read_config().producer.target if run.is_run else None
     num_layers = (json.loads((Path(target) / "config.json").read_text()).get("num_hidden_layers")
                   if target and (Path(target) / "config.json").is_file() else None)
     out_cfg = eagle3_export_config(cfg, int(num_layers) if num_layers else None, dtype)

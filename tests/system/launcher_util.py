@@ -145,3 +145,23 @@ def process_alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def assert_records_read_back(run_dir: Path) -> None:
+    """Every record the run wrote reads back through ``shared.run_dir.RunDir`` as its typed record and writes
+    again byte for byte (``shared.run_records``): ``config.json``, ``topology.json``, ``status.json``,
+    ``summary.json`` and each line of ``metrics.jsonl`` and ``eval.jsonl``."""
+    from specring.shared.run_dir import RunDir
+    from specring.shared.run_records import EvalRecord, MetricsRecord, StatusFile, Summary, Topology
+
+    run = RunDir(run_dir)
+    assert json.dumps(run.read_config().to_dict(), indent=1) == run.config_file.read_text()
+    for cls, path, indent in ((Topology, run.topology_file, 1), (StatusFile, run.status_file, None),
+                              (Summary, run.summary_file, 1)):
+        text = path.read_text()
+        assert json.dumps(cls.from_json(json.loads(text)).to_json(), indent=indent) == text, path
+    for cls, path in ((MetricsRecord, run.metrics_file), (EvalRecord, run.eval_file)):
+        lines = path.read_text().splitlines()
+        assert lines, path
+        for line in lines:
+            assert json.dumps(cls.from_json(json.loads(line)).to_json()) == line, (path, line)

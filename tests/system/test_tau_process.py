@@ -14,7 +14,14 @@ import psutil
 import pytest
 
 from benchmarks.launcher import child_pid, kill_tree, start_launcher
-from tests.system.launcher_util import metrics_batch_ids, segments_of, small_flags, summary, wait_for
+from tests.system.launcher_util import (
+    assert_records_read_back,
+    metrics_batch_ids,
+    segments_of,
+    small_flags,
+    summary,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -57,6 +64,7 @@ def test_training_goes_on_while_tau_is_measured_and_the_records_read_as_before(d
                              "checkpoint": str(run_dir / "checkpoints" / f"step-{top['step']:06d}")}, s
     assert isinstance(s.get("first_step_s"), float) and s["first_step_s"] > 0, s
     assert len(metrics_batch_ids(run_dir)) == s["planned_batches"]
+    assert_records_read_back(run_dir)
     (pid,) = _worker_pids(run_dir)
     assert _gone(pid)
     assert segments_of(s["run_id"]) == []
