@@ -5,7 +5,10 @@
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_drafter.sh [steps...]
 #   A schedule longer than one 10-minute device call: FINAL_STEPS=9600 FINAL_S=420 ... regen final, then on the still
 #   warm machine FINAL_S=540 ... final_resume (repeat while steps remain), then ... final_eval.
-#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 (default: bench regen baselines sweep)
+#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 peers (default: bench regen baselines
+#   sweep). peers: benchmarks/peers.py (Model-Optimizer's and speculators' DFlash trainers, PEERS_MIN minutes each, the
+#   wheels of .whl/ installed into /tmp/site: the device call carries .whl); PEERS=modelopt / PEERS=speculators in two
+#   calls on the warm machine fit the 10-minute limit, the table accumulates in /tmp/specring-peers/results.jsonl.
 set -u
 OUT=${OUT:-/tmp/specring-gpu}
 mkdir -p "$OUT"
@@ -122,6 +125,16 @@ if has eagle3; then  # a fixture EAGLE-3 drafter on the regenerated data, then t
   summarize eagle3
   step eagle3_eval ${EAGLE3_EVAL_S:-300} python3 launch.py eval --drafter runs/eagle3 --baselines prompt-lookup \
     --output-json "$OUT/eagle3_eval.json"
+fi
+if has peers; then  # issue 23 item 5: the peers' DFlash trainers, same data and minutes, tau by launch.py eval
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$OUT/peers_install.txt" 2>&1; echo "peers wheels rc=$?" | tee -a "$LOG"
+  [ -f "$OUT/final_eval.json" ] && cp "$OUT/final_eval.json" /tmp/specring-final_eval.json
+  step peers ${PEERS_S:-590} env PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} python3 benchmarks/peers.py run \
+    --peers ${PEERS:-modelopt,speculators} --minutes ${PEERS_MIN:-5.6} $([ -f $REGEN ] && echo --data $REGEN) \
+    $([ -d runs/final ] && echo --specring-run runs/final) \
+    $([ -f /tmp/specring-final_eval.json ] && echo --specring-eval /tmp/specring-final_eval.json)
+  cp /tmp/specring-peers/results.jsonl "$OUT/peers.jsonl" 2>/dev/null
 fi
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$LOG" 2>&1
 tar czf "$OUT/runs.tgz" runs/*/eval.jsonl runs/*/metrics.jsonl runs/*/summary.json runs/*/logs "$OUT"/*.txt 2>/dev/null
