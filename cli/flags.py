@@ -28,7 +28,6 @@ flags, a bad value's ``ConfigError`` naming the flag as typed.
 from __future__ import annotations
 
 import argparse
-import json
 import textwrap
 import typing
 from pathlib import Path
@@ -570,15 +569,16 @@ def resumed_config(given: dict[str, tuple[Any, str]]) -> RunConfig:
     names each such flag with the value the run trained with. ``--max-steps`` without ``--epochs`` ends a
     saved ``--epochs`` (the run then counts steps). No machine, follow or CPU default is applied: the saved
     values are the run's."""
+    from specring.shared.run_dir import RunDir
     from specring.supervisor.resume import resume_dir
 
     specs = field_specs()
-    run_dir = Path(resume_dir(given.get("run_dir", ("runs/default",))[0]))
-    saved = run_dir / "config.json"
+    run = RunDir(resume_dir(given.get("run_dir", ("runs/default",))[0]))
+    run_dir, saved = run.path, run.config_file
     if not saved.is_file():
         raise ConfigError(f"--resume: {saved} does not exist (nothing to resume in --run-dir {run_dir})")
     try:
-        base = RunConfig.from_dict(json.loads(saved.read_text())).to_dict()
+        base = run.read_config().to_dict()
     except (OSError, ValueError) as e:
         raise ConfigError(f"--resume: {saved} cannot be read as a run configuration: {e}") from None
     sources, refused, changes = {}, [], []

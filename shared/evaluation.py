@@ -229,13 +229,13 @@ def decoding_line(sampling: dict[str, Any]) -> str:
 
 def check_eval_output(cfg: EvalConfig) -> None:
     """Refuse an ``--output-json`` that names a file the evaluation reads or that describes it: a file of the
-    checkpoint or export, a record of its run directory (``shared.run_dir.RECORD_FILES``), a file of the
+    checkpoint or export, a record of its run directory (``shared.run_dir.RunDir.records``), a file of the
     target's directory, a ``--data`` file or its sidecar (``shared.outputs.check_outputs``; ``ConfigError``
     naming ``--output-json``). Nothing to check without ``--output-json``."""
     from specring.shared import checkpoint as ckpt
     from specring.shared.data.dataset import sidecar_path
     from specring.shared.outputs import check_outputs
-    from specring.shared.run_dir import RECORD_FILES
+    from specring.shared.run_dir import RunDir
 
     if not cfg.output_json:
         return
@@ -243,9 +243,9 @@ def check_eval_output(cfg: EvalConfig) -> None:
     if cfg.uses_drafter:
         step_dir = ckpt.resolve_checkpoint(cfg.drafter)
         inputs["drafter"] = step_dir
-        run_dir = Path(step_dir).resolve().parent.parent
-        if (run_dir / "config.json").is_file() and not ckpt.is_export(step_dir):
-            inputs.update({f"run record {name}": run_dir / name for name in RECORD_FILES})
+        run = RunDir.of_checkpoint(step_dir)
+        if run.is_run and not ckpt.is_export(step_dir):
+            inputs.update(run.records(dirs=False))
         inputs["target directory"] = ckpt.target_of_checkpoint(step_dir)
     if cfg.target and Path(cfg.target).is_dir():
         inputs["target directory"] = cfg.target

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from specring.shared import checkpoint as ckpt
 from specring.shared.command_config import ExportConfig
+from specring.shared.run_dir import RunDir
 
 
 def check_export_output(output: Path, step_dir: Path, target: str | None) -> None:
@@ -21,11 +22,11 @@ def check_export_output(output: Path, step_dir: Path, target: str | None) -> Non
     ``ConfigError`` naming ``--output``)."""
     from specring.shared.outputs import check_outputs
 
-    run_dir = Path(step_dir).resolve().parent.parent
+    run = RunDir.of_checkpoint(step_dir)
     inputs = {"checkpoint": step_dir, "target directory": target if target and Path(target).is_dir() else
               ckpt.target_of_checkpoint(step_dir)}
-    if (run_dir / "config.json").is_file():
-        inputs.update({"run directory": run_dir, "checkpoints directory": Path(step_dir).resolve().parent})
+    if run.is_run:
+        inputs.update({"run directory": run.path, "checkpoints directory": Path(step_dir).resolve().parent})
     check_outputs("--output", {"export directory": output}, inputs)
 
 

@@ -201,11 +201,13 @@ class RunDir:
         """The directory of a tracker of ``--report-to``: ``tensorboard``, ``wandb`` or ``mlruns`` (mlflow)."""
         return self.path / name
 
-    def records(self) -> dict[str, Path]:
-        """Everything a run writes here (``RECORD_FILES``, then ``RECORD_DIRS``), ``description -> path``, as
-        ``shared.outputs.check_outputs`` takes it (a directory's description ends in ``directory``)."""
+    def records(self, dirs: bool = True) -> dict[str, Path]:
+        """Everything a run writes here (``RECORD_FILES``, then, with ``dirs``, ``RECORD_DIRS``),
+        ``description -> path``, as ``shared.outputs.check_outputs`` takes it (a directory's description ends in
+        ``directory``)."""
         out = {f"run record {name}": self.path / name for name in RECORD_FILES}
-        out.update({f"run's {name} directory": self.path / name for name in RECORD_DIRS})
+        if dirs:
+            out.update({f"run's {name} directory": self.path / name for name in RECORD_DIRS})
         return out
 
     def coordinator_address(self, tcp: str = "") -> str:
