@@ -25,12 +25,12 @@ by timing its steps, ``ThreadTuner``, logged ``threads_tuned``). Start-up is log
 ``startup_s imports=... build=... warm_up=... ready=...`` (seconds since the process started) and the first step
 as ``first_step_s=...`` with its wait for the first batch.
 
-Heartbeats come from a thread of their own (``shared.procs.ChildContext``) with ``tokens_per_s``, ``step``,
-``tokens`` (target tokens this rank trained), ``gpu_mem_bytes``, ``tau_eval`` (what the τ evaluator is doing) and
-what the main thread is doing (``work``: ``batch N``, ``checkpoint step N``, ``eval step N prompt k/n`` while a
-finished run waits for its last evaluation) for how long, so a slow step or checkpoint write is not a hang and a
-stuck one is; and the balance figures ``busy_s``/``window_s``/``idle_tail_s`` (``shared.balance``: idle = waiting
-for a delivered slot, i.e. starved).
+Heartbeats come from a thread of their own (``shared.procs.ChildContext``) with a
+``shared.transport.stats.ConsumerStats``: ``tokens_per_s``, ``step``, ``tokens`` (target tokens this rank trained),
+``gpu_mem_bytes``, ``tau_eval`` (what the τ evaluator is doing) and what the main thread is doing (``work``: ``batch
+N``, ``checkpoint step N``, ``eval step N prompt k/n`` while a finished run waits for its last evaluation) for how
+long, so a slow step or checkpoint write is not a hang and a stuck one is; and the balance figures
+``busy_s``/``window_s``/``idle_tail_s`` (``shared.balance``: idle = waiting for a delivered slot, i.e. starved).
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from specring.shared.transport import messages as m
 from specring.shared.transport.layout import read_tensors
 from specring.shared.transport.ring import Ring
 from specring.shared.transport.slot_batch import SlotBatch
+from specring.shared.transport.stats import ConsumerStats
 
 log = logging.getLogger("consumer")
 
@@ -210,14 +211,12 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, worker=None
 
     last_loss: float | None = None
 
-    def stats() -> dict:  # called from the heartbeat thread
+    def stats() -> ConsumerStats:  # called from the heartbeat thread
         now = time.monotonic()
-        out = {"tokens_per_s": tokens / max(1e-9, now - t0), "step": trainer.step_count, "tokens": tokens}
-        if reader.device.type == "cuda":
-            out["gpu_mem_bytes"] = torch.cuda.memory_allocated(reader.device)
-        if worker is not None:
-            out["tau_eval"] = worker.doing()
-        return out
+        return ConsumerStats(
+            tokens_per_s=tokens / max(1e-9, now - t0), step=trainer.step_count, tokens=tokens,
+            gpu_mem_bytes=torch.cuda.memory_allocated(reader.device) if reader.device.type == "cuda" else None,
+            tau_eval=worker.doing() if worker is not None else None)
 
     ctx.stats = stats
 

@@ -21,13 +21,14 @@ its DEALER socket:
 On CUDA the target first runs the batch plan's extreme shapes once (``Producer.warm_up``: kernel autotuning
 and its memory at start-up, a clear start-up error if it does not fit), then says ``Hello``.
 
-A ``Heartbeat`` goes out every ``monitor.heartbeat_interval_s`` from a thread of its own, also during a
-forward that takes longer than ``hang_timeout_s`` (``shared.procs.ChildContext``), with ``stats``:
-``tokens_per_s`` (real tokens published over the last ~10 s), ``batches``, ``bad_batches``, ``tokens``,
-``gpu_mem_bytes`` and ``gpu_mem_reserved_bytes`` (0 without CUDA), ``current_batch`` (-1 when idle), and
-``work``/``work_s``: ``"batch N"`` or ``"publish batch N"`` and for how long (the monitor gives one batch
-``batch_timeout_s``), and the balance figures ``busy_s``/``window_s``/``idle_tail_s`` (``shared.balance``:
-busy = forward + capture + slot write + publish; idle = waiting for a lease, i.e. for a free slot).
+A ``Heartbeat`` goes out every ``monitor.heartbeat_interval_s`` from a thread of its own, also during a forward that
+takes longer than ``hang_timeout_s`` (``shared.procs.ChildContext``), with ``stats`` (a
+``shared.transport.stats.ProducerStats``): ``tokens_per_s`` (real tokens published over the last ~10 s),
+``batches``, ``bad_batches``, ``tokens``, ``gpu_mem_bytes`` and ``gpu_mem_reserved_bytes`` (0 without CUDA),
+``current_batch`` (-1 when idle), and ``work``/``work_s``: ``"batch N"`` or ``"publish batch N"`` and for how long
+(the monitor gives one batch ``batch_timeout_s``), and the balance figures ``busy_s``/``window_s``/``idle_tail_s``
+(``shared.balance``: busy = forward + capture + slot write + publish; idle = waiting for a lease, i.e. for a free
+slot).
 
 Fault injection (tests and chaos drills only): the producer's hooks of ``shared.faults`` are applied here
 (slow writes, non-finite batches, helper processes, slow and stalled forwards).
@@ -52,6 +53,7 @@ from specring.shared.errors import ConfigError, MessageError, SlotError
 from specring.shared.procs import ChildContext, child_main
 from specring.shared.transport import messages
 from specring.shared.transport.ring import Ring
+from specring.shared.transport.stats import ProducerStats
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +139,7 @@ class ProducerLoop:
             log.debug("published batch_id=%d slot=%d tokens=%d", msg.batch_id, msg.slot, msg.num_tokens)
 
     # ---------------------------------------------------------------------------------------- heartbeat
-    def stats(self) -> dict:
+    def stats(self) -> ProducerStats:
         """The heartbeat's figures (called from the heartbeat thread; see the module docstring)."""
         now = time.monotonic()
         st = self.producer.stats
@@ -147,11 +149,11 @@ class ProducerLoop:
         t0, n0 = self.rate_samples[0]
         rate = (st.tokens - n0) / (now - t0) if now > t0 else 0.0
         cuda = [d for d in self.devices if d.type == "cuda"]  # summed over a split target's group
-        return {"tokens_per_s": float(rate), "batches": st.batches, "bad_batches": st.bad_batches,
-                "tokens": st.tokens,
-                "gpu_mem_bytes": sum(int(torch.cuda.memory_allocated(d)) for d in cuda),
-                "gpu_mem_reserved_bytes": sum(int(torch.cuda.memory_reserved(d)) for d in cuda),
-                "current_batch": int(self.producer.current_batch)}
+        return ProducerStats(tokens_per_s=float(rate), batches=st.batches, bad_batches=st.bad_batches,
+                             tokens=st.tokens,
+                             gpu_mem_bytes=sum(int(torch.cuda.memory_allocated(d)) for d in cuda),
+                             gpu_mem_reserved_bytes=sum(int(torch.cuda.memory_reserved(d)) for d in cuda),
+                             current_batch=int(self.producer.current_batch))
 
 
 def body(ctx: ChildContext) -> None:

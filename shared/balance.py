@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from specring.shared.run_dir import SUMMARY_FILE, RunDir
+from specring.shared.transport.stats import ChildStats, parse_stats
 
 BALANCE_KEYS = ("busy_s", "window_s", "idle_tail_s")
 
@@ -93,14 +94,17 @@ def _number(x) -> float | None:
 class ProcessBalance:
     """The balance figures of one child slot (producer or consumer ``index``), over all its generations.
 
-    ``update(generation, stats)`` takes a heartbeat's stats (figures missing or not finite non-negative
-    numbers are ignored: an older child, a bad peer); ``tokens`` is read from ``stats["tokens"]`` when there."""
+    ``update(generation, stats)`` takes a heartbeat's figures (``Heartbeat.stats``, read as the role's
+    ``shared.transport.stats`` class, or that class itself; figures missing or not finite non-negative numbers are
+    ignored: an older child, a bad peer); ``tokens`` is the role's tokens figure when reported."""
     role: str
     index: int
     by_generation: dict[int, dict[str, float]] = field(default_factory=dict)
 
-    def update(self, generation: int, stats: dict) -> None:
-        vals = {k: _number(stats.get(k)) for k in (*BALANCE_KEYS, "tokens")}
+    def update(self, generation: int, stats: dict | ChildStats) -> None:
+        f = parse_stats(self.role, stats)
+        vals = {"busy_s": _number(f.busy_s), "window_s": _number(f.window_s), "idle_tail_s": _number(f.idle_tail_s),
+                "tokens": _number(getattr(f, "tokens", None))}  # ProducerStats and ConsumerStats have tokens
         if any(vals[k] is None for k in BALANCE_KEYS):
             return
         rec = {k: v for k, v in vals.items() if v is not None}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import logging
 import os
 import re
@@ -47,6 +48,7 @@ from specring.shared.paths import IMPORT_ROOT
 from specring.shared.run_dir import RunDir
 from specring.shared.run_records import Topology
 from specring.shared.transport import channel, messages
+from specring.shared.transport.stats import ChildStats, parse_stats, stats_class
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +203,7 @@ class ChildContext:
     stop_reason: str = ""
     said_hello: bool = False
     parent_pid: int = field(default_factory=os.getppid)
-    stats: Callable[[], dict] | None = None   # the role's heartbeat figures (tokens_per_s, ...)
+    stats: Callable[[], ChildStats | dict] | None = None   # the role's heartbeat figures (shared.transport.stats)
     _work: tuple[str, float] = field(default_factory=lambda: ("", time.monotonic()))  # (what, since): one store
     duty: DutyClock = field(default_factory=DutyClock, repr=False)  # busy time of the main thread (balance)
     _sock_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -263,21 +265,20 @@ class ChildContext:
         what, since = self._work
         return {"work": what, "work_s": round(time.monotonic() - since, 3)}
 
-    def heartbeat(self, block: bool = True, **extra) -> bool:
-        """Send one ``Heartbeat`` now: ``stats()``, ``extra`` and ``work_stats()``. Returns False if it was
-        not queued (``block`` False and the queue full)."""
+    def heartbeat(self, block: bool = True) -> bool:
+        """Send one ``Heartbeat`` now: the role's figures (``stats()``: a ``shared.transport.stats`` class, or a flat
+        map read with ``parse_stats``), ``work_stats()`` and the balance figures, as the role's stats class
+        (``to_wire``). Returns False if it was not queued (``block`` False and the queue full)."""
         with self._hb_lock:
-            stats = {}
+            figures = stats_class(self.role)()
             if self.stats is not None:
                 try:
-                    stats = dict(self.stats())
+                    figures = parse_stats(self.role, self.stats())
                 except Exception as e:  # figures are optional; the heartbeat is not
-                    stats = {"stats_error": f"{type(e).__name__}: {e}"[:200]}
-            stats.update(extra)
-            stats.update(self.work_stats())
-            stats.update(self.duty.figures())
+                    figures = stats_class(self.role)(stats_error=f"{type(e).__name__}: {e}"[:200])
+            figures = dataclasses.replace(figures, **self.work_stats(), **self.duty.figures())
             return self.send(messages.Heartbeat(role=self.role, index=self.index, generation=self.generation,
-                                                pid=os.getpid(), stats=stats), block=block)
+                                                pid=os.getpid(), stats=figures.to_wire()), block=block)
 
     def _heartbeats(self) -> None:
         interval_s = self.config.monitor.heartbeat_interval_s

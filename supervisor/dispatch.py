@@ -169,8 +169,8 @@ class MessageDispatch:
             row = StatusRow(role=c.role, index=c.index, pid=c.pid,
                             generation=self.coordinator.generation(c.role, c.index) if self.coordinator else 1,
                             state=c.state, heartbeat_age_s=round(now - c.last_heartbeat, 1) if c.hello else None,
-                            tokens_per_s=c.stats.get("tokens_per_s"), gpu_mem_bytes=c.stats.get("gpu_mem_bytes"),
-                            restarts=c.restarts, work=c.stats.get("work"), work_s=c.stats.get("work_s"),
+                            tokens_per_s=c.figures.tokens_per_s, gpu_mem_bytes=c.figures.gpu_mem_bytes,
+                            restarts=c.restarts, work=c.figures.work, work_s=c.figures.work_s,
                             **self.balance[(c.role, c.index)].live(), **self.monitor.sample(c))
             if c.role == "producer" and self.coordinator:
                 row.ring = self.coordinator.occupancy(c.index)

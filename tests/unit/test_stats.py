@@ -93,3 +93,25 @@ def test_the_monitor_keeps_the_latest_of_each_figure_and_reads_them_typed():
     assert isinstance(f, ConsumerStats) and (f.step, f.tokens_per_s, f.gpu_mem_bytes) == (4, 2.0, 5)
     assert (f.work, f.work_s) == ("batch 1", 0.5)
     assert Child("producer", 1).figures == ProducerStats()
+
+
+def test_a_childs_heartbeat_carries_its_role_figures_then_the_common_ones():
+    from specring.shared.config import RunConfig
+    from specring.shared.procs import ChildContext
+
+    ctx = ChildContext(role="producer", index=0, generation=1, run_dir=".", config=RunConfig(), topology=None,
+                       sock=None, stats=lambda: ProducerStats(tokens_per_s=2.0, batches=1))
+    sent = []
+    ctx.send = lambda msg, block=True: sent.append(msg) or True
+    with ctx.working("batch 3"):
+        ctx.heartbeat()
+    wire = m.decode(m.encode(sent[-1])).stats
+    assert list(wire) == ["tokens_per_s", "batches", "work", "work_s", "busy_s", "window_s", "idle_tail_s"]
+    assert wire["work"] == "batch 3" and wire["batches"] == 1
+    ctx.stats = lambda: 1 / 0  # the role's figures fail: the heartbeat still goes, saying why
+    ctx.heartbeat()
+    assert list(sent[-1].stats)[:3] == ["stats_error", "work", "work_s"]
+    assert sent[-1].stats["stats_error"].startswith("ZeroDivisionError")
+    ctx.stats = lambda: {"tokens_per_s": 7.0, "not_a_figure": 1}  # a flat map is read as the role's figures
+    ctx.heartbeat()
+    assert sent[-1].stats["tokens_per_s"] == 7.0 and "not_a_figure" not in sent[-1].stats
