@@ -516,7 +516,7 @@ def _hs_dir(out: Path) -> Path:
     try:
         st = os.statvfs(shm)
         if st.f_bavail * st.f_frsize > 16 * 2**30:
-            return shm / f"specring-peers-hs-{os.getpid()}"
+            return shm / f"specring-peers-hs-{os.getpid()}-{out.name}"
     except OSError:
         pass
     return out / "hs"
@@ -591,7 +591,10 @@ def start_peer(a: argparse.Namespace, peer: str, work: Path) -> dict:
            "--target-layers", a.target_layers, "--num-draft-layers", str(a.num_draft_layers), "--block-size",
            str(a.block_size), "--num-anchors", str(a.num_anchors), "--max-tokens", str(a.max_tokens),
            "--max-steps", str(a.max_steps), "--export-dtype", a.export_dtype]
-    for flag, v in (("--max-samples", a.max_samples), ("--lr", a.lr), ("--hs-dir", a.hs_dir)):
+    # the parent names the hidden-state directory and removes it once the child has ended, however it ended: a child
+    # killed at the budget (SIGKILL below) runs no finally of its own
+    hs_dir = (Path(a.hs_dir) if a.hs_dir else _hs_dir(out)) if peer == "speculators" else None
+    for flag, v in (("--max-samples", a.max_samples), ("--lr", a.lr), ("--hs-dir", hs_dir)):
         if v is not None:
             cmd += [flag, str(v)]
     if a.keep_hs:
@@ -599,7 +602,7 @@ def start_peer(a: argparse.Namespace, peer: str, work: Path) -> dict:
     log = out / "train.log"
     f = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-    return {"peer": peer, "out": out, "spawn": spawn, "log": log, "file": f, "proc": proc}
+    return {"peer": peer, "out": out, "spawn": spawn, "log": log, "file": f, "proc": proc, "hs_dir": hs_dir}
 
 
 def finish_peer(a: argparse.Namespace, job: dict) -> dict:
@@ -612,6 +615,8 @@ def finish_peer(a: argparse.Namespace, job: dict) -> dict:
         job["proc"].wait()
         rc = f"killed after {a.minutes * 60 + a.grace_s:.0f} s"
     job["file"].close()
+    if job["hs_dir"] is not None and not a.keep_hs:
+        shutil.rmtree(job["hs_dir"], ignore_errors=True)
     res_path = out / "result.json"
     if not res_path.is_file():
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
