@@ -214,7 +214,7 @@ class RunDir:
         """The coordinator's endpoint: ``tcp`` when given, else ``ipc://`` of ``coord.sock`` (absolute). Raises
         ``ValueError`` when that path is too long for an ipc socket (``shared.transport.channel``)."""
         from specring.shared.transport.channel import coordinator_address
-        return coordinator_address(str(self.path), tcp)
+        return coordinator_address(self.socket_file, tcp)
 
     # ------------------------------------------------------------------ runs/ and runs/latest
     @staticmethod

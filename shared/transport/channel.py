@@ -25,7 +25,6 @@ from typing import Any
 import zmq
 
 from specring.shared.errors import MessageError, PeerTimeout
-from specring.shared.run_dir import SOCKET_FILE
 from specring.shared.transport import messages
 
 log = logging.getLogger(__name__)
@@ -35,11 +34,13 @@ HWM = 10000
 ROUTER_SNDHWM = 1000  # messages queued to one peer of the router; a child legitimately has a handful
 
 
-def coordinator_address(run_dir: str, tcp: str = "") -> str:
-    """The coordinator's endpoint for a run: ``tcp`` when given, else an ``ipc://`` file in ``run_dir``."""
+def coordinator_address(socket_file: str | os.PathLike, tcp: str = "") -> str:
+    """The coordinator's endpoint for a run: ``tcp`` when given, else ``ipc://`` of ``socket_file`` made absolute
+    (the run directory's ``RunDir.socket_file``; ``RunDir.coordinator_address`` is the call). Raises ``ValueError``
+    when that path is too long for an ipc socket."""
     if tcp:
         return tcp
-    path = os.path.join(os.path.abspath(run_dir), SOCKET_FILE)
+    path = os.path.abspath(socket_file)
     if len(path) > 100:  # sun_path is 108 bytes on Linux
         raise ValueError(f"run directory path is too long for an ipc socket ({len(path)} chars): {path}; "
                          f"use a shorter --run-dir or --tcp")

@@ -34,6 +34,7 @@ from specring.shared.config import (
 )
 from specring.shared.data.dataset import TokenDataset
 from specring.shared.models.target import load_target
+from specring.shared.run_dir import RunDir
 from specring.shared.transport import channel, layout, messages, ring
 from specring.shared.transport.ring import EMPTY, Ring
 
@@ -74,7 +75,7 @@ class FakeCoordinator:
                         monitor=MonitorConfig(heartbeat_interval_s=0.25, hang_timeout_s=5.0))
         with open(os.path.join(self.dir, "config.json"), "w") as f:
             json.dump(cfg.to_dict(), f)
-        address = channel.coordinator_address(self.dir)
+        address = RunDir(self.dir).coordinator_address()
         self.sock = channel.bind_router(self.zctx, address)
         self.ring = Ring.create(ring.segment_name(self.run_id, "p0"), num_slots=2, slot_bytes=slot_bytes)
         procs.Topology(run_id=self.run_id, address=address, rings=[self.ring.name], slot_bytes=self.ring.slot_bytes,
