@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import html
 import http.server
+import os
 import secrets
 import sys
 import threading
@@ -192,8 +193,8 @@ def make_server(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, ref
 
 
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, refresh_s: float = 5.0) -> int:
-    """Serve the live page of ``run_dir`` until interrupted (Ctrl-C: exit code 0); prints its URL first. Exit code
-    2 when the address cannot be bound."""
+    """Serve the live page of ``run_dir`` until interrupted (Ctrl-C: the process ends at once with exit code 0, its
+    handler threads not waited for); prints its URL first. Exit code 2 when the address cannot be bound."""
     try:
         server, url = make_server(run_dir, host, port, refresh_s)
     except OSError as e:
@@ -209,4 +210,9 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, refresh_s
         pass
     finally:
         server.server_close()
-    return 0
+    # A page being built for a browser's request (a handler thread in matplotlib, seconds on a loaded machine) or a
+    # browser's idle preconnection must not hold the exit: the server writes nothing, so nothing is lost by ending
+    # the process here without waiting for those threads.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

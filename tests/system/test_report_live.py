@@ -15,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -53,6 +54,7 @@ def test_live_page_in_chromium_and_the_report_train_writes(dataset, tmp_path):
                         eval_prompt_len=16, checkpoint_every=6)
     proc = start_launcher(flags, log_path=tmp_path / "launcher.log")
     serve = None
+    served_out: list[str] = []
     try:
         wait_for(lambda: (run_dir / "status.json").is_file() and (run_dir / "timeseries.jsonl").is_file(), 120,
                  "the supervisor's first status tick")
@@ -62,6 +64,8 @@ def test_live_page_in_chromium_and_the_report_train_writes(dataset, tmp_path):
         line = serve.stdout.readline()
         m = re.search(r"(http://127\.0\.0\.1:\d+/[\w-]+/)", line)
         assert m, line
+        # the rest of its output is read as it comes (a full pipe would block the server), kept for the failure
+        threading.Thread(target=lambda: served_out.extend(serve.stdout), daemon=True).start()
         url = m.group(1)
         with urllib.request.urlopen(url, timeout=60) as resp:
             live = Page(resp.read().decode())
@@ -95,9 +99,12 @@ def test_live_page_in_chromium_and_the_report_train_writes(dataset, tmp_path):
                 serve.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 serve.kill()
+                serve.wait(timeout=20)
+                raise AssertionError("the live page did not end within 20 s of Ctrl-C: "
+                                     + "".join(served_out)[-2000:])
         if proc.poll() is None:
             kill_tree(proc)
-    assert serve.returncode == 0  # Ctrl-C ends the live page cleanly
+    assert serve.returncode == 0, "".join(served_out)[-2000:]  # Ctrl-C ends the live page cleanly
 
     lines = [x for x in out.splitlines() if x.strip()]
     index = run_dir / "report" / "index.html"
