@@ -28,6 +28,7 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import random
@@ -216,8 +217,26 @@ class Trainer:
         the device until the optimizer step reads them."""
         batch = as_batch(batch)
         t = batch.num_tokens if checked else check_batch(batch, self.dcfg, self.cfg.label_source)
+        if backward and self.cfg.feature_noise > 0:
+            batch = dataclasses.replace(batch, hidden=self._noised(batch.hidden))
         self.objective_ctx.attention = self.attention
         return self.family.objective(self.objective_ctx, batch, batch_ids, t, backward)
+
+    def _noised(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [T, L*H]`` (the captured layers side by side) plus uniform noise ``U(-a, a) * rms``, ``a`` =
+        ``cfg.feature_noise`` and ``rms`` each token's root mean square over each layer's ``H`` features (layers
+        differ in scale), in float32, returned in ``hidden``'s dtype. The noise comes from a generator seeded by
+        ``(cfg.seed, micro_step)``, so a resumed run draws the same noise. The regulariser of EAGLE's training
+        (SafeAILab/EAGLE, ``eagle/train/main.py``, ``AddUniformNoise``: uniform noise added to the target's
+        features), scaled here by the features' own size instead of a constant over the sequence length."""
+        t, width = hidden.shape
+        layers = self.dcfg.num_target_layers
+        h = hidden.float().reshape(t, layers, width // layers)
+        gen = torch.Generator(device=hidden.device)
+        gen.manual_seed((int(self.cfg.seed) * 1_000_003 + self.micro_step) % (2 ** 63))
+        u = torch.rand(h.shape, generator=gen, device=hidden.device, dtype=torch.float32).mul_(2).sub_(1)
+        rms = h.pow(2).mean(-1, keepdim=True).sqrt_()
+        return (h + u * (self.cfg.feature_noise * rms)).reshape(t, width).to(hidden.dtype)
 
     def warm_up(self) -> float:
         """Compile the kernels of the flex form (``torch.compile``: tens of seconds on a cold cache) on a

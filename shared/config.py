@@ -424,6 +424,10 @@ class TrainerConfig:
     warmup_steps: int = num(20, ge=0, le=10**9, aliases=("--warmup-steps",),
                             help="optimizer steps of linear learning-rate warm-up")
     weight_decay: float = num(0.01, ge=0, le=1e3, help="AdamW weight decay")
+    feature_noise: float = num(0.0, ge=0, le=1e3, aliases=("--feature-noise",),
+                               help="regulariser: uniform noise on the target's captured hidden states in training, "
+                                    "U(-a, a) times each token's per-layer RMS (a = this value; EAGLE adds uniform "
+                                    "noise to its features); 0: off")
     grad_clip: float = num(1.0, gt=0, le=1e9, help="gradients are clipped to this global norm")
     grad_accum: int = num(1, ge=1, le=2**16, aliases=("--grad-accum",), help="micro-batches per optimizer step")
     max_steps: int = num(300, ge=1, le=10**9, aliases=("--max-steps",), cpu_default=200, resume=True,

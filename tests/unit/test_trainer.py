@@ -336,3 +336,28 @@ def test_fused_linear_ce_is_refused_where_liger_cannot_run_and_skipped_where_the
     a = Trainer(d_off, dcfg_for(d_off), TARGET, "cpu", tmp_path / "a", write_metrics=False)
     b = Trainer(d_fused, dcfg_for(d_fused), TARGET, "cpu", tmp_path / "b", write_metrics=False)
     assert a.step(few[0], [0])["loss"] == pytest.approx(b.step(few[0], [0])["loss"], rel=1e-6)
+
+
+def test_feature_noise_perturbs_the_features_by_their_rms_and_resumes_exactly(few, tmp_path):
+    cfg = small_cfg(feature_noise=0.1, max_steps=4, checkpoint_every=2)
+    tr = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "a")
+    hidden = few[0]["hidden"]
+    noised = tr._noised(hidden)
+    assert noised.shape == hidden.shape and noised.dtype == hidden.dtype
+    layers = tr.dcfg.num_target_layers
+    h = hidden.float().reshape(hidden.shape[0], layers, -1)
+    d = (noised.float().reshape(h.shape) - h).abs()
+    rms = h.pow(2).mean(-1, keepdim=True).sqrt()
+    assert bool((d <= 0.1 * rms + 1e-5).all()) and float(d.max()) > 0.05 * float(rms.max())  # bounded, not zero
+    assert torch.equal(tr._noised(hidden), noised)  # the same micro-step draws the same noise
+    # the loss sees the noise: the first step differs from a run without it, from the same initial weights
+    plain = Trainer(small_cfg(max_steps=4, checkpoint_every=2), dcfg_for(cfg), TARGET, "cpu", tmp_path / "b")
+    assert tr.step(few[0], [0])["loss"] != plain.step(few[0], [0])["loss"]
+    # and a resumed run draws the noise of the run it continues
+    losses_full = [tr.step(few[i], [i])["loss"] for i in (1, 2, 3)]
+    first = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "c")
+    first.step(few[0], [0]), first.step(few[1], [1])
+    first.save_checkpoint()
+    second = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "c")
+    second.load_checkpoint(tmp_path / "c")
+    assert [second.step(few[i], [i])["loss"] for i in (2, 3)] == losses_full[1:]
