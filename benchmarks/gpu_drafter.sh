@@ -5,7 +5,7 @@
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_drafter.sh [steps...]
 #   A schedule longer than one 10-minute device call: FINAL_STEPS=9600 FINAL_S=420 ... regen final, then on the still
 #   warm machine FINAL_S=540 ... final_resume (repeat while steps remain), then ... final_eval.
-#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 peers (default: bench regen baselines
+#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 scale peers (default: bench regen baselines
 #   sweep). peers: benchmarks/peers.py (Model-Optimizer's and speculators' DFlash trainers, PEERS_MIN minutes each, the
 #   wheels of .whl/ installed into /tmp/site: the device call carries .whl); PEERS=modelopt / PEERS=speculators in two
 #   calls on the warm machine fit the 10-minute limit, the table accumulates in /tmp/specring-peers/results.jsonl.
@@ -125,6 +125,32 @@ if has eagle3; then  # a fixture EAGLE-3 drafter on the regenerated data, then t
   summarize eagle3
   step eagle3_eval ${EAGLE3_EVAL_S:-300} python3 launch.py eval --drafter runs/eagle3 --baselines prompt-lookup \
     --output-json "$OUT/eagle3_eval.json"
+fi
+if has scale; then  # issue 23: data at scale (every 128 tokens a prompt), drafter depth and feature noise side by side
+  echo "=== scale (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
+  SREGEN=data/demo/regen_scale.arrow
+  step regen_scale ${SCALE_REGEN_S:-420} python3 launch.py regenerate --target assets/tiny-code-lm \
+    --input data/demo/train.arrow --output $SREGEN --max-new-tokens 256 --prefix-len 256 --stride ${SCALE_STRIDE:-128} \
+    --batch-size ${SCALE_BATCH:-2048} --shard-size ${SCALE_SHARD:-2048} --devices cuda:0 --no-progress
+  python3 -c "import json,sys; m=json.load(open('$SREGEN'.replace('.arrow','.json'))); print('regen_scale', \
+{k: m.get(k) for k in ('num_samples','num_tokens','generated_tokens','seconds')})" >> "$LOG" 2>&1
+  SEVAL=(--heldout data/demo/heldout.arrow --eval-prompts ${SCALE_EVAL_PROMPTS:-8} --eval-prompt-len 256 \
+    --eval-max-new-tokens 256)
+  run3() { local name=$1; shift; python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name \
+      --data $SREGEN --label-source target --target-layers 1,3,5,6,7 --lr 2e-3 --max-steps ${SCALE_STEPS:-4800} \
+      --checkpoint-every ${SCALE_CKPT:-1200} "${SEVAL[@]}" "$@" > "$OUT/run_$name.txt" 2>&1 & }
+  if [ -f $SREGEN ]; then
+    run3 scale_5l
+    run3 scale_2l --num-draft-layers 2
+    run3 scale_2l_noise --num-draft-layers 2 --feature-noise ${SCALE_NOISE:-0.1}
+    ( sleep ${SCALE_S:-780}; pkill -INT -f "launch.py train" ) & KILLER=$!
+    wait $(jobs -p | grep -v $KILLER) 2>/dev/null; kill $KILLER 2>/dev/null
+    summarize scale_5l scale_2l scale_2l_noise
+    for r in scale_5l scale_2l scale_2l_noise; do  # one at a time: the speed-ups need the GPU to themselves
+      step eval_$r ${SCALE_EVAL_S:-240} python3 launch.py eval --drafter runs/$r --baselines prompt-lookup \
+        --output-json "$OUT/eval_$r.json"
+    done
+  fi
 fi
 if has peers; then  # issue 23 item 5: the peers' DFlash trainers, same data and minutes, tau by launch.py eval
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

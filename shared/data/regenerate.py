@@ -83,15 +83,22 @@ def static_width(width: int) -> int:
     return max(STATIC_MIN_WIDTH, 1 << (int(width) - 1).bit_length())
 
 
+def static_rows(rows: int, batch_size: int) -> int:
+    """The rows a batch of ``rows`` prompts is filled to with the static cache: the next power of two, at most
+    ``batch_size`` (a shard's last, smaller batch then reuses one of a few compiled shapes instead of compiling
+    its own, about 25 s each on an H200 and beyond torch.compile's recompile limit after eight)."""
+    return min(int(batch_size), 1 << max(0, int(rows) - 1).bit_length())
+
+
 class TransformersBackend:
     """Batched generation with ``transformers`` ``generate`` (left padding, batches of similar length).
 
     ``cache``: ``dynamic`` is transformers' growing KV cache, every decode step a chain of small kernel launches
     from Python; ``static`` is its preallocated ``StaticCache`` (``cache_implementation="static"``), with which
     transformers compiles the decode step (``torch.compile`` mode ``reduce-overhead``: CUDA graphs) on a GPU, so
-    a step is one graph replay; prompts are then left-padded to ``static_width`` tokens so that the batches of a
-    shard share a few shapes, each compiled once. ``auto``: ``static`` on CUDA, else
-    ``dynamic`` (on CPU nothing is compiled and the static cache only costs its preallocation). Greedy outputs are
+    a step is one graph replay; prompts are then left-padded to ``static_width`` tokens and a batch is filled to
+    ``static_rows`` rows, so that the batches of a run share a few shapes, each compiled once. ``auto``:
+    ``static`` on CUDA, else ``dynamic`` (on CPU nothing is compiled and the static cache only costs its preallocation). Greedy outputs are
     the same with either cache up to the rounding of the dtype. ``benchmarks/regenerate.py`` measures both.
     Raises ``ValueError`` for another ``cache``.
     """
@@ -126,12 +133,15 @@ class TransformersBackend:
             width = max(len(prompts[i]) for i in idx)
             if self.cache == "static":
                 width = static_width(width)
-            ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+            rows = static_rows(len(idx), self.batch_size) if self.cache == "static" else len(idx)
+            ids = torch.full((rows, width), pad_id, dtype=torch.long)
             att = torch.zeros_like(ids)
             for r, i in enumerate(idx):
                 p = prompts[i]
                 ids[r, width - len(p):] = torch.tensor(p, dtype=torch.long)
                 att[r, width - len(p):] = 1
+            ids[len(idx):, -1] = ids[0, -1]  # filler rows (static shapes): one real token each, output dropped
+            att[len(idx):, -1] = 1
             kw = dict(do_sample=True, temperature=float(temperature), top_k=0, top_p=1.0) if temperature > 0 \
                 else dict(do_sample=False)
             if self.cache == "static":

@@ -171,12 +171,13 @@ def test_the_static_cache_generates_what_the_dynamic_cache_does_in_float32():
     prompts = stdlib_prompts(["difflib.py", "difflib.py", "difflib.py"], 40, [17, 70, 33])
     stop_ids, pad_id = rg.stop_and_pad_ids(str(TARGET))
     out = {}
-    for cache in ("dynamic", "static"):
-        be = rg.TransformersBackend(str(TARGET), "cpu", "float32", 2, cache=cache)
+    for cache, batch in (("dynamic", 2), ("static", 4)):  # static: one batch of 3 prompts + a filler row
+        be = rg.TransformersBackend(str(TARGET), "cpu", "float32", batch, cache=cache)
         assert be.cache == cache
         out[cache] = be.generate(prompts, 12, 0.0, stop_ids, pad_id, seed=0)
     assert all(len(g) > 0 for g in out["dynamic"]), out
     assert out["static"] == out["dynamic"]
     assert rg.TransformersBackend(str(TARGET), "cpu", "float32", 2).cache == "dynamic"  # auto on CPU
+    assert [rg.static_rows(n, 1024) for n in (1, 2, 3, 600, 1024)] == [1, 2, 4, 1024, 1024]
     with pytest.raises(ValueError, match="cache: must be one of"):
         rg.TransformersBackend(str(TARGET), "cpu", "float32", 2, cache="paged")
