@@ -99,8 +99,8 @@ class TransformersBackend:
     a step is one graph replay; prompts are then left-padded to ``static_width`` tokens and a batch is filled to
     ``static_rows`` rows, so that the batches of a run share a few shapes, each compiled once. ``auto``:
     ``static`` on CUDA, else ``dynamic`` (on CPU nothing is compiled and the static cache only costs its
-    preallocation). Greedy outputs are the same with either cache up to the rounding of the dtype. ``benchmarks/regenerate.py`` measures both.
-    Raises ``ValueError`` for another ``cache``.
+    preallocation). Greedy outputs are the same with either cache up to the rounding of the dtype.
+    ``benchmarks/regenerate.py`` measures both. Raises ``ValueError`` for another ``cache``.
     """
 
     name = "transformers"
