@@ -1,4 +1,4 @@
-"""The run directory (shared/run_dir.py) and its typed records (shared/run_records.py): the lock that claims it,
+"""The run directory (shared/run/run_dir.py) and its typed records (shared/run/run_records.py): the lock that claims it,
 liveness, the runs/latest link, and every record read back and written again byte for byte as the writers
 before these types wrote it (the dicts below are built in their order, with their values)."""
 
@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from specring.shared.config import RunConfig
+from specring.shared.config.run_config import RunConfig
 from specring.shared.errors import ConfigError
-from specring.shared.run_dir import RECORD_DIRS, RECORD_FILES, RunDir
-from specring.shared.run_records import (
+from specring.shared.run.run_dir import RECORD_DIRS, RECORD_FILES, RunDir
+from specring.shared.run.run_records import (
     EvalRecord,
     MetricsRecord,
     RunStatus,
@@ -27,7 +27,7 @@ from specring.shared.run_records import (
 
 HOLDER = """
 import sys, time
-from specring.shared.run_dir import RunDir
+from specring.shared.run.run_dir import RunDir
 lock = RunDir(sys.argv[1]).claim()
 print("held", flush=True)
 time.sleep(600)

@@ -28,7 +28,7 @@ What is guaranteed:
 
 Not guaranteed: concurrent writers. Only one process (rank 0) saves.
 
-``$SPECRING_SLOW_CHECKPOINT_S`` (tests and drills only, ``shared.faults``) sleeps that many seconds before
+``$SPECRING_SLOW_CHECKPOINT_S`` (tests and drills only, ``shared.process.faults``) sleeps that many seconds before
 the rename, as a large drafter's write would take.
 """
 
@@ -46,9 +46,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specring.shared import faults
 from specring.shared.errors import CorruptFile
-from specring.shared.run_dir import RunDir
+from specring.shared.process import faults
+from specring.shared.run.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
 
 def target_of_checkpoint(step_dir: str | Path) -> Path | None:
     """The target a checkpoint was trained against, from ``run_dir/config.json`` (``producer.target``) of
-    the run that holds ``run_dir/checkpoints/step-*/`` (``shared.run_dir.RunDir.read_config``); None when it is
+    the run that holds ``run_dir/checkpoints/step-*/`` (``shared.run.run_dir.RunDir.read_config``); None when it is
     not recorded (no run directory, or a configuration that does not read)."""
     try:
         target = RunDir.of_checkpoint(step_dir).read_config().producer.target
