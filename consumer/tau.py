@@ -53,7 +53,7 @@ class CheckpointEvaluator:
 
     def load(self) -> None:
         """Load the target and the prompts (once); raises ``ConfigError`` if the target does not load."""
-        from specring.shared.models.speculative import load_prompts
+        from specring.shared.data.prompts import load_prompts
         from specring.shared.models.target import load_target
         tc, pc = self.cfg.trainer, self.cfg.producer
         if self.target is None:
@@ -66,7 +66,7 @@ class CheckpointEvaluator:
         """Evaluate ``drafter`` at optimizer step ``step``; returns the record appended to ``eval.jsonl``.
         The drafter decodes through its family's proposer (``evaluate_tau``; EAGLE-3: chains of ``ttt_steps``).
         ``on_prompt(done, total)`` is called after each prompt."""
-        from specring.shared.models.speculative import evaluate_tau
+        from specring.shared.drafters.tau import evaluate_tau
         tc, pc = self.cfg.trainer, self.cfg.producer
         self.load()
         slow_s = faults.slow_eval_s()

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from specring.shared.commands.command_config import EvalConfig
+from specring.shared.data.prompts import load_prompts
 from specring.shared.drafters import DEFAULT_FAMILY, family_of_export, get_family
 from specring.shared.errors import ConfigError
 from specring.shared.models.batched_decode import batched_greedy_generate, decode_prompts, target_batch_support
@@ -47,7 +48,6 @@ from specring.shared.models.speculative import (
     SamplingParams,
     check_same_head,
     greedy_generate,
-    load_prompts,
     summarize,
     target_vocab_size,
 )

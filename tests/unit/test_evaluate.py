@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from specring.cli.eval import main
+from specring.shared.data.prompts import load_prompts
 from specring.shared.drafters import checkpoint as ckpt
 from specring.shared.drafters.dflash_blocks import (
     block_loss,
@@ -21,15 +22,14 @@ from specring.shared.drafters.dflash_blocks import (
     loss_weights,
     sample_anchors,
 )
+from specring.shared.drafters.tau import evaluate_tau
 from specring.shared.models.dflash import DFlashConfig, build_drafter
 from specring.shared.models.draft_attention import build_attention_mask
 from specring.shared.models.ngram import PromptLookupProposer
 from specring.shared.models.speculative import (
     DecodeResult,
     DFlashProposer,
-    evaluate_tau,
     greedy_generate,
-    load_prompts,
     speculative_generate,
     summarize,
 )
