@@ -48,11 +48,10 @@ from safetensors.torch import save_file
 
 from specring.shared.errors import CorruptFile
 from specring.shared.process import faults
-from specring.shared.run.run_dir import RunDir
+from specring.shared.run.run_dir import LATEST_FILE, WEIGHTS_FILE, RunDir, latest_checkpoint
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS_FILE = "drafter.safetensors"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "dflash_config.json"   # the DFlash family's (DrafterFamily.config_file); the name older tools look for
 
@@ -61,7 +60,6 @@ def config_files() -> dict[str, str]:
     """``family name -> its checkpoint config file`` for every registered drafter family (``shared.drafters``)."""
     from specring.shared.drafters import NAMES, get_family
     return {name: get_family(name).config_file for name in NAMES}
-LATEST_FILE = "latest"
 
 
 def step_dir_name(step: int) -> str:
@@ -237,18 +235,6 @@ def last_good_checkpoint(checkpoints_dir: str | Path) -> tuple[Path | None, list
         except (CorruptFile, FileNotFoundError) as e:
             problems.append(str(e))
     return None, problems
-
-
-def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
-    """The step directory ``latest`` names, or None when there is no ``latest``."""
-    root = Path(checkpoints_dir)
-    ptr = root / LATEST_FILE
-    if not ptr.is_file():
-        return None
-    path = root / ptr.read_text().strip()
-    if not (path / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(f"{ptr} names {path.name}, which has no {WEIGHTS_FILE}")
-    return path
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

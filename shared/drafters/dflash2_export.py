@@ -125,8 +125,8 @@ def export_dflash2(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     """Write the DFlash2 serving directory for ``checkpoint`` to ``output_dir`` (a temporary directory renamed
     into place). Raises ``FileNotFoundError``, ``FileExistsError`` (non-empty ``output_dir`` without
     ``overwrite``) and ``ValueError`` for every refusal of the module docstring. Returns ``output_dir``."""
-    from specring.shared.config.run_config import DEFAULT_TARGET
     from specring.shared.models.hub import resolve_model_dir
+    from specring.shared.paths import DEFAULT_TARGET
 
     step_dir = ckpt.resolve_checkpoint(checkpoint)
     if ckpt.is_export(step_dir):

@@ -230,7 +230,7 @@ def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     (no checkpoint, no target), ``FileExistsError`` (a non-empty ``output_dir`` without ``overwrite``) and
     ``ValueError`` for every refusal listed in the module docstring. Returns ``output_dir``.
     """
-    from specring.shared.config.run_config import DEFAULT_TARGET
+    from specring.shared.paths import DEFAULT_TARGET
 
     step_dir = ckpt.resolve_checkpoint(checkpoint)
     if ckpt.is_export(step_dir):

@@ -35,10 +35,10 @@ def resolve_export_dtype(dtype: str, step_dir: Path, target_dir: str | Path | No
     ``dtype``/``torch_dtype``; the run's target unless ``target_dir``), else bfloat16. Raises ``ValueError`` naming
     ``--dtype`` for a dtype that is not ``auto`` or one of ``shared.machine.devices.MODEL_DTYPES``."""
     if dtype == "auto":
-        from specring.shared.config.run_config import DEFAULT_TARGET
         from specring.shared.drafters import checkpoint as ckpt
         from specring.shared.models.hub import resolve_model_dir
         from specring.shared.models.target_config import read_target_config, text_config
+        from specring.shared.paths import DEFAULT_TARGET
 
         target = resolve_model_dir(target_dir or ckpt.target_of_checkpoint(step_dir) or DEFAULT_TARGET, "--target")
         raw = read_target_config(target)

@@ -75,6 +75,10 @@ CHECKPOINTS_DIR = "checkpoints"
 TAU_DIR = "tau"
 REPORT_DIR = "report"
 LATEST_LINK = "latest"
+# inside a checkpoints directory (``shared.drafters.checkpoint`` writes them): the weights of a step directory, and
+# the file naming the newest complete one
+WEIGHTS_FILE = "drafter.safetensors"
+LATEST_FILE = "latest"
 # what a run writes into its directory: files, then directories (a --run-dir that would replace an input is refused)
 RECORD_FILES = (CONFIG_FILE, SUMMARY_FILE, DATA_FILE, STATUS_FILE, TOPOLOGY_FILE, METRICS_FILE, EVAL_FILE,
                 DRAFT_VOCAB_FILE, TIMESERIES_FILE, SOCKET_FILE, LOCK_FILE)
@@ -305,7 +309,6 @@ class RunDir:
     def latest_checkpoint_step(self) -> int | None:
         """Optimizer step of the checkpoint that ``checkpoints/latest`` names (read from its name, nothing is
         loaded), or None when there is no complete one."""
-        from specring.shared.drafters.checkpoint import latest_checkpoint
         try:
             path = latest_checkpoint(self.checkpoints_dir)
         except (OSError, ValueError):  # latest names a directory without weights, or cannot be read
@@ -439,6 +442,18 @@ class RunDir:
         """``data.json``. Raises ``FileNotFoundError`` (a run started before it existed), ``OSError``,
         ``ValueError``."""
         return json.loads(self.data_file.read_text())
+
+
+def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
+    """The step directory ``latest`` names, or None when there is no ``latest``."""
+    root = Path(checkpoints_dir)
+    ptr = root / LATEST_FILE
+    if not ptr.is_file():
+        return None
+    path = root / ptr.read_text().strip()
+    if not (path / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{ptr} names {path.name}, which has no {WEIGHTS_FILE}")
+    return path
 
 
 def _replace(path: Path, text: str) -> None:

@@ -373,14 +373,3 @@ class Topology:
     def from_json(cls, d: dict[str, Any]) -> "Topology":
         """A key the file lacks reads as None."""
         return cls(**_pick(cls, _dict(d)))
-
-    def save(self, run_dir: str | Path) -> None:
-        """Write it into ``run_dir`` (``RunDir.write_topology``)."""
-        from specring.shared.run.run_dir import RunDir
-        RunDir(run_dir).write_topology(self)
-
-    @classmethod
-    def load(cls, run_dir: str | Path) -> "Topology":
-        """Read it from ``run_dir`` (``RunDir.read_topology``); raises ``OSError``/``ValueError``."""
-        from specring.shared.run.run_dir import RunDir
-        return RunDir(run_dir).read_topology()
