@@ -21,7 +21,7 @@ from specring.cli.prepare import build_parser as prepare_parser
 from specring.cli.prepare import main as prepare_main
 from specring.cli.train import build_parser, config_from_args
 from specring.shared.commands.command_config import PrepareConfig
-from specring.shared.config.run_config import run_config as C
+from specring.shared.config import run_config as C
 from specring.shared.errors import ConfigError
 from tests.support import REPO
 
