@@ -48,7 +48,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specring.consumer.trainer import Trainer  # noqa: E402
-from specring.shared.config import DEFAULT_TARGET, TrainerConfig  # noqa: E402
+from specring.shared.config.run_config import DEFAULT_TARGET, TrainerConfig  # noqa: E402
 from specring.shared.drafters.eagle3 import Eagle3Family  # noqa: E402
 from specring.shared.drafters.eagle3_ttt_reference import reference_eagle3_loss  # noqa: E402
 from specring.shared.models.eagle3 import Eagle3Config, build_draft_vocab  # noqa: E402

@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
 
 from specring.consumer.trainer import CPU_MAX_MASK_ELEMS, Trainer, drafter_config_from_run  # noqa: E402
 from specring.producers.producer import Producer  # noqa: E402
-from specring.shared.config import DataConfig, ProducerConfig, RunConfig, TrainerConfig  # noqa: E402
+from specring.shared.config.run_config import DataConfig, ProducerConfig, RunConfig, TrainerConfig  # noqa: E402
 from specring.shared.data.dataset import BatchPlan, TokenDataset, collate  # noqa: E402
 from specring.shared.data.demo import ensure_demo  # noqa: E402
 from specring.shared.models.layer_ids import resolve_layer_ids  # noqa: E402

@@ -174,7 +174,6 @@ def write_specring_export(zcfg: dict, tensors: dict, target: Path, out: Path, dt
     """A specring DFlash export at ``out`` from a z-lab-style config dict and weights under the reference names
     (the serving format of ``shared/drafters/dflash_export.py``). Raises ``ValueError`` naming missing or
     unexpected tensors (``DFlashDrafter.load_trainable``)."""
-    from specring.shared.devices import MODEL_DTYPES
     from specring.shared.drafters.dflash_export import (
         MODELING_FILE,
         config_from_exported,
@@ -183,6 +182,7 @@ def write_specring_export(zcfg: dict, tensors: dict, target: Path, out: Path, dt
     )
     from specring.shared.drafters.dflash_hf_model import modeling_source
     from specring.shared.drafters.serving_format import CONFIG_FILE, PROVENANCE_FILE, write_export_dir
+    from specring.shared.machine.devices import MODEL_DTYPES
     from specring.shared.models.dflash import DFlashDrafter
     from specring.shared.models.target_config import read_target_config, text_config
 

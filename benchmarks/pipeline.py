@@ -8,7 +8,7 @@ For a target (``--target``; the fixture by default, or a Qwen3-8B-shaped random 
    publish, one batch in flight);
 2. **consumer alone** (``consumer_tokens_per_s``): the drafter trainer on the first consumer device trains on the
    payloads of stage 1, already on the device (on CPU, each stage with the threads a process of its role gets,
-   ``shared.threads``: the producer 1, the consumer all of its cores);
+   ``shared.machine.threads``: the producer 1, the consumer all of its cores);
 3. **pipeline** (``pipeline_tokens_per_s``): ``launch.py train`` with that topology for ``--steps`` steps (its
    ``summary.json`` tokens/s, measured from the first optimizer step).
 
@@ -44,7 +44,7 @@ from benchmarks.harness import (  # noqa: E402,I001
     run_config,
     sync,
 )
-from specring.shared.threads import plan_threads  # noqa: E402
+from specring.shared.machine.threads import plan_threads  # noqa: E402
 
 
 def stage_rates(args) -> tuple[float, float, int]:
@@ -53,7 +53,8 @@ def stage_rates(args) -> tuple[float, float, int]:
                      num_draft_layers=args.num_draft_layers)
     batches = plan_batches(args.data, args.max_tokens, args.max_batch_size, args.batches)
     tokens = sum(int(b["lengths"].sum()) for b in batches)
-    def role_threads(role: str, device: str) -> None:  # the threads a process of that role gets (shared.threads)
+    # the threads a process of that role gets (shared.machine.threads)
+    def role_threads(role: str, device: str) -> None:
         kind = torch.device(device).type
         if kind == "cpu":
             torch.set_num_threads(plan_threads(role, kind, args.producers, args.consumers).intra)

@@ -61,8 +61,8 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 from specring.producers.producer import Producer  # noqa: E402
-from specring.shared.config import DEFAULT_TARGET  # noqa: E402
-from specring.shared.devices import resolve_device_group, resolve_dtype  # noqa: E402
+from specring.shared.config.run_config import DEFAULT_TARGET  # noqa: E402
+from specring.shared.machine.devices import resolve_device_group, resolve_dtype  # noqa: E402
 from specring.shared.models.layer_ids import default_target_layer_ids  # noqa: E402
 from specring.shared.models.target import base_model  # noqa: E402
 from specring.shared.transport import messages, ring  # noqa: E402

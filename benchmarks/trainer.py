@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.random_target import QWEN3_8B, write_random_target  # noqa: E402
 from specring.consumer.trainer import Trainer  # noqa: E402
-from specring.shared.config import DEFAULT_TARGET, TrainerConfig  # noqa: E402
+from specring.shared.config.run_config import DEFAULT_TARGET, TrainerConfig  # noqa: E402
 from specring.shared.drafters.dflash import anchor_seed  # noqa: E402
 from specring.shared.drafters.dflash_blocks import sample_anchors  # noqa: E402
 from specring.shared.models.dflash import DFlashConfig  # noqa: E402

@@ -1,7 +1,7 @@
 """``launch.py eval``: τ of a checkpoint or export beside the baselines, by real speculative decoding.
 
-The flags are derived from ``shared.command_config.EvalConfig`` (``specring.cli.flags.command_parser``); the
-evaluation itself, what its rows are and how they decode, is ``specring.shared.evaluation`` (its docstring, and
+The flags are derived from ``shared.commands.command_config.EvalConfig`` (``specring.cli.flags.command_parser``); the
+evaluation itself, what its rows are and how they decode, is ``specring.shared.commands.evaluation`` (its docstring, and
 docs/evaluation.md for the standard setting).
 """
 
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from specring.cli.flags import command_config, command_parser
-from specring.shared.command_config import EvalConfig
+from specring.shared.commands.command_config import EvalConfig
 from specring.shared.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -44,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ``error: evaluation failed: <type>: <message>`` line (no traceback), when decoding raised; 1 when, in
     float32, a greedy speculative output differed from greedy decoding (``lossless_verdict``; in 16-bit only a
     warning)."""
-    from specring.shared import evaluation
-    from specring.shared.logs import configure_logging
+    from specring.shared.commands import evaluation
+    from specring.shared.process.logs import configure_logging
 
     try:
         cfg = command_config(EvalConfig, build_parser().parse_args(argv))

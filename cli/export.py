@@ -1,7 +1,7 @@
 """``launch.py export``: write a trained drafter in the format the serving engines load.
 
-The flags are derived from ``shared.command_config.ExportConfig`` (``specring.cli.flags.command_parser``); the
-export itself is ``specring.shared.exporting``.
+The flags are derived from ``shared.commands.command_config.ExportConfig`` (``specring.cli.flags.command_parser``); the
+export itself is ``specring.shared.commands.exporting``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from specring.cli.flags import command_config, command_parser
-from specring.shared.command_config import ExportConfig
+from specring.shared.commands.command_config import ExportConfig
 from specring.shared.errors import ConfigError
 
 HELP_EXAMPLES = """\
@@ -31,9 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """``launch.py export``: 0 on success, 2 when a flag is wrong, the checkpoint is refused, or ``--output``
-    collides with what the export reads (``shared.exporting.export_checkpoint``)."""
-    from specring.shared.exporting import export_checkpoint
-    from specring.shared.logs import configure_logging
+    collides with what the export reads (``shared.commands.exporting.export_checkpoint``)."""
+    from specring.shared.commands.exporting import export_checkpoint
+    from specring.shared.process.logs import configure_logging
 
     try:
         cfg = command_config(ExportConfig, build_parser().parse_args(argv))

@@ -1,5 +1,5 @@
 """The flags of ``launch.py train`` and of the other commands, derived from their declarations
-(``specring.shared.config``, ``specring.shared.command_config``).
+(``specring.shared.config.run_config``, ``specring.shared.commands.command_config``).
 
 Nothing here names a config field: every field of ``RunConfig`` declared with ``setting``/``num`` becomes
 
@@ -18,8 +18,8 @@ when only that one is set; then, when every device is CPU, each CPU default the 
 its field says so (``config_from_args``).
 
 The other commands (``eval``, ``export``, ``regenerate``, ``prepare``) declare their options the same way, one
-flat dataclass per command (``shared.config.option_specs``); ``command_parser`` derives the command's parser from
-any such class (one flag ``--FIELD-NAME`` per field, parsed by its type as above; a ``switch`` field is a flag that
+flat dataclass per command (``shared.config.run_config.option_specs``); ``command_parser`` derives the command's parser
+from any such class (one flag ``--FIELD-NAME`` per field, parsed by its type as above; a ``switch`` field is a flag that
 takes no value, an ``nargs``/``repeat``/``positional`` field takes its values as declared; ``--help`` grouped by
 the class's ``HELP_GROUPS``, every default shown) and ``command_config`` builds the typed object from the parsed
 flags, a bad value's ``ConfigError`` naming the flag as typed.
@@ -33,7 +33,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable
 
-from specring.shared.config import (
+from specring.shared.config.run_config import (
     Alias,
     FieldSpec,
     RunConfig,
@@ -42,8 +42,8 @@ from specring.shared.config import (
     option_specs,
     section_classes,
 )
-from specring.shared.device_groups import is_cpu_group
 from specring.shared.errors import ConfigError
+from specring.shared.machine.device_groups import is_cpu_group
 
 GROUPS = {  # --help groups, in order: title -> description
     "topology": "where the processes run: producers (each runs the target) and consumers (each trains the "
@@ -360,9 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def command_parser(cls: type, prog: str, description: str, epilog: str) -> argparse.ArgumentParser:
-    """The parser of a command whose options ``cls`` declares (``shared.config.option_specs``: ``EvalConfig``,
-    ...): one flag per field, in the groups of ``cls.HELP_GROUPS``, with ``CommandHelpFormatter``. A field's value
-    lands in the namespace under its name only when given (``command_config`` builds ``cls`` from it)."""
+    """The parser of a command whose options ``cls`` declares (``shared.config.run_config.option_specs``:
+    ``EvalConfig``, ...): one flag per field, in the groups of ``cls.HELP_GROUPS``, with ``CommandHelpFormatter``. A
+    field's value lands in the namespace under its name only when given (``command_config`` builds ``cls`` from it)."""
     ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
                                  formatter_class=CommandHelpFormatter)
     specs = list(option_specs(cls).values())
@@ -378,7 +378,7 @@ def command_config(cls: type, args: argparse.Namespace) -> Any:
     """``cls`` (a command's options, see ``command_parser``) from the flags given, each other field at its default.
 
     Raises ``ConfigError`` naming the flag as typed (else the field's flag) when the value is refused (a bound, a
-    choice, a required option: ``shared.config.check_fields``)."""
+    choice, a required option: ``shared.config.run_config.check_fields``)."""
     specs = option_specs(cls)
     values = {key: getattr(args, key) for key in specs if hasattr(args, key)}
     try:
@@ -545,7 +545,7 @@ def _same(spec: FieldSpec, new: Any, old: Any) -> bool:
         return True
     if spec.meta.get("path") and isinstance(new, str) and isinstance(old, str) and new and old:
         if spec.meta.get("hub") and not Path(new).expanduser().is_dir():  # a hub id: the run saved its directory
-            from specring.shared.hub import resolve_model_dir
+            from specring.shared.models.hub import resolve_model_dir
             try:
                 new = str(resolve_model_dir(new))
             except ConfigError:
@@ -569,7 +569,7 @@ def resumed_config(given: dict[str, tuple[Any, str]]) -> RunConfig:
     names each such flag with the value the run trained with. ``--max-steps`` without ``--epochs`` ends a
     saved ``--epochs`` (the run then counts steps). No machine, follow or CPU default is applied: the saved
     values are the run's."""
-    from specring.shared.run_dir import RunDir
+    from specring.shared.run.run_dir import RunDir
     from specring.supervisor.resume import resume_dir
 
     specs = field_specs()

@@ -14,10 +14,10 @@ from pathlib import Path
 from specring.cli.flags import CommandHelpFormatter
 from specring.cli.main import description
 from specring.shared import paths
-from specring.shared.config import finite_number
+from specring.shared.config.run_config import finite_number
 from specring.shared.errors import ConfigError, PeerTimeout
-from specring.shared.run_dir import RunDir
-from specring.shared.run_records import RunStatus
+from specring.shared.run.run_dir import RunDir
+from specring.shared.run.run_records import RunStatus
 from specring.supervisor.status import status_mib as _mib
 from specring.supervisor.status import status_num as _num
 from specring.supervisor.status import status_pct as _pct
@@ -134,7 +134,7 @@ def clean_main(argv: list[str]) -> int:
                                  "./runs are always looked in.")
     ap.add_argument("--run-dir", action="append", default=[], help="also look in this run directory (repeatable)")
     args = ap.parse_args(argv)
-    from specring.shared.procs import sweep_run_processes
+    from specring.shared.process.procs import sweep_run_processes
     from specring.shared.transport.ring import run_owned, sweep_stale
     for pid, run_id, cmd in sweep_run_processes(run_owned):
         print(f"killed process {pid} of run {run_id} (its supervisor is gone): {cmd}")

@@ -27,7 +27,7 @@ and memory stays bounded whatever the input size.
 ``--demo`` builds the embedded default corpus (``build_demo``): the running interpreter's standard library
 ``.py`` files, split by the fixture model's held-out rule into ``train.arrow`` and ``heldout.arrow``.
 
-The flags are derived from ``shared.command_config.PrepareConfig`` (``specring.cli.flags.command_parser``); the
+The flags are derived from ``shared.commands.command_config.PrepareConfig`` (``specring.cli.flags.command_parser``); the
 work is ``specring.shared.data.prepare`` and ``specring.shared.data.demo``.
 """
 
@@ -41,13 +41,13 @@ from pathlib import Path
 
 from specring.cli.flags import command_config, command_parser
 from specring.shared import paths
-from specring.shared.command_config import PREPARE_MAX_LENGTH, PrepareConfig
+from specring.shared.commands.command_config import PREPARE_MAX_LENGTH, PrepareConfig
 from specring.shared.data.demo import DEMO_MAX_LENGTH, build_demo
 from specring.shared.data.encode import StrictError
 from specring.shared.data.prepare import plan_summary, prepare_files, read_chat_template
 from specring.shared.data.writer import report
 from specring.shared.errors import ConfigError
-from specring.shared.hub import resolve_model_dir
+from specring.shared.models.hub import resolve_model_dir
 
 HELP_EXAMPLES = """\
 examples:

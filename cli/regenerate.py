@@ -28,13 +28,13 @@ Resumable: the prompts are cut into shards of ``--shard-size`` samples; each fin
 there (different arguments are refused, naming them). Every shard's sidecar records the arguments it was made
 with, and a shard of other arguments (or none) is discarded and made again, never merged; a worker writes a shard
 only while the directory's manifest is its own. Workers die with their launcher (parent-death signal), and a
-signal of ``shared.procs.STOP_SIGNALS`` to the launcher stops them and exits 130, the finished shards kept. The
+signal of ``shared.process.procs.STOP_SIGNALS`` to the launcher stops them and exits 130, the finished shards kept. The
 final file is written under a temporary name and renamed, with the usual sidecar (``regenerated``: target,
 arguments, counts). Input samples that cannot be
 regenerated (a token outside the target's vocabulary, an assistant turn with no prompt before it, an empty
 sample) are skipped, counted and named by sample index and source row.
 
-The flags are derived from ``shared.command_config.RegenerateConfig`` (``specring.cli.flags.command_parser``);
+The flags are derived from ``shared.commands.command_config.RegenerateConfig`` (``specring.cli.flags.command_parser``);
 the work is ``specring.shared.data.regenerate``.
 """
 
@@ -45,7 +45,7 @@ import sys
 from pathlib import Path
 
 from specring.cli.flags import command_config, command_parser
-from specring.shared.command_config import RegenerateConfig
+from specring.shared.commands.command_config import RegenerateConfig
 from specring.shared.data import regenerate as rg
 from specring.shared.errors import ConfigError
 
@@ -67,11 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     """``launch.py regenerate``: 0 on success, 2 for a bad flag or input, 1 when a worker failed, 130 when a
-    signal of ``shared.procs.STOP_SIGNALS`` stopped it (its workers stopped with it; the finished shards are
+    signal of ``shared.process.procs.STOP_SIGNALS`` stopped it (its workers stopped with it; the finished shards are
     kept: rerun the same command to resume). A shard made with other arguments than this run's (an earlier
     run's worker) is discarded and generated again (``shared.data.regenerate.discard_stale_shards``)."""
     from specring.shared.data.dataset import TokenDataset
-    from specring.shared.hub import resolve_model_dir
+    from specring.shared.models.hub import resolve_model_dir
     from specring.shared.models.target import check_checkpoint
 
     args = build_parser().parse_args(argv)

@@ -1,8 +1,8 @@
 """``launch.py train``: flags and ``--config FILE`` onto the configuration (``specring.cli.flags``, derived
-from the declaration in ``specring.shared.config``), the run resolved (``specring.supervisor.launch.plan_run``),
-then printed (``--plan``, with the producer:consumer ratio that balances the run's shape, from the rates a previous
-run of the same shape recorded: ``specring.shared.balance``) or run (``specring.supervisor.launch.launch``) and
-its summary line printed.
+from the declaration in ``specring.shared.config.run_config``), the run resolved
+(``specring.supervisor.launch.plan_run``), then printed (``--plan``, with the producer:consumer ratio that balances the
+run's shape, from the rates a previous run of the same shape recorded: ``specring.shared.process.balance``) or run
+(``specring.supervisor.launch.launch``) and its summary line printed.
 
 Flags given on the command line override the file; everything is validated before any process starts, and
 errors name the flag.
@@ -18,7 +18,7 @@ from pathlib import Path
 from specring.cli.flags import build_parser, config_from_args, cpu_default_lines
 from specring.cli.ops import _fmt
 from specring.shared.errors import ConfigError
-from specring.shared.run_dir import RunDir
+from specring.shared.run.run_dir import RunDir
 
 __all__ = ["build_parser", "config_from_args", "train_main"]
 
@@ -30,11 +30,11 @@ log = logging.getLogger(__name__)
 def train_main(argv: list[str]) -> int:
     """``launch.py [train] ...``: resolve and run (or print with ``--plan``). Returns the exit code.
 
-    Signals: every one of ``shared.procs.STOP_SIGNALS`` (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1/2, ...) is a
+    Signals: every one of ``shared.process.procs.STOP_SIGNALS`` (SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1/2, ...) is a
     graceful stop. Once the supervisor runs, it handles them (consumers checkpoint, ``summary.json``, exit 130);
     before that (planning, the data digest, claiming the run directory) one ends the command with 130 and a
     line naming it, nothing started. Lines printed to a terminal that hung up are dropped, not raised."""
-    from specring.shared.procs import install_stop_handlers, restore_handlers
+    from specring.shared.process.procs import install_stop_handlers, restore_handlers
 
     def before_the_run(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -70,8 +70,8 @@ def _train_main(argv: list[str]) -> int:
         start = plan_run(cfg)
         if args.plan:
             print(start.plan.describe(cfg))
-            from specring.shared.balance import balance_lines
             from specring.shared.paths import runs_dir
+            from specring.shared.process.balance import balance_lines
             print("\n".join(balance_lines(cfg.to_dict(), [runs_dir(), Path(cfg.run_dir).parent])))
             lines = cpu_default_lines(cfg)
             if lines:

@@ -20,17 +20,17 @@ its first training step, hands it each checkpoint's path (a snapshot of the trai
 ``done`` shutdown rank 0 waits for the evaluations still owed (``eval step N prompt k/n``); the evaluator is
 killed and reaped on every exit of the body.
 
-Threads on CPU: ``shared.threads`` (producers one thread each; a lone consumer chooses between all the cores and one
-by timing its steps, ``ThreadTuner``, logged ``threads_tuned``). Start-up is logged as
+Threads on CPU: ``shared.machine.threads`` (producers one thread each; a lone consumer chooses between all the cores and
+one by timing its steps, ``ThreadTuner``, logged ``threads_tuned``). Start-up is logged as
 ``startup_s imports=... build=... warm_up=... ready=...`` (seconds since the process started) and the first step
 as ``first_step_s=...`` with its wait for the first batch.
 
-Heartbeats come from a thread of their own (``shared.procs.ChildContext``) with a
+Heartbeats come from a thread of their own (``shared.process.procs.ChildContext``) with a
 ``shared.transport.stats.ConsumerStats``: ``tokens_per_s``, ``step``, ``tokens`` (target tokens this rank trained),
 ``gpu_mem_bytes``, ``tau_eval`` (what the τ evaluator is doing) and what the main thread is doing (``work``: ``batch
 N``, ``checkpoint step N``, ``eval step N prompt k/n`` while a finished run waits for its last evaluation) for how
 long, so a slow step or checkpoint write is not a hang and a stuck one is; and the balance figures
-``busy_s``/``window_s``/``idle_tail_s`` (``shared.balance``: idle = waiting for a delivered slot, i.e. starved).
+``busy_s``/``window_s``/``idle_tail_s`` (``shared.process.balance``: idle = waiting for a delivered slot, i.e. starved).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ import torch.distributed as dist
 from specring.shared import envs
 from specring.shared.errors import BadBatch as BadBatchError
 from specring.shared.errors import MessageError, SlotError
-from specring.shared.procs import ChildContext, child_main
-from specring.shared.run_dir import RunDir
+from specring.shared.process.procs import ChildContext, child_main
+from specring.shared.run.run_dir import RunDir
 from specring.shared.transport import messages as m
 from specring.shared.transport.layout import read_tensors
 from specring.shared.transport.ring import Ring
@@ -140,9 +140,9 @@ def body(ctx: ChildContext) -> None:
     """Attach the rings, join the group, build the trainer (resume, warm-up), say Hello, then train until told to
     stop; rank 0 also feeds the τ evaluator (``consumer.tau_worker``), which ends with the body whatever ends it."""
     from specring.consumer.trainer import CPU_MAX_MASK_ELEMS, Trainer, drafter_config_from_run
-    from specring.shared import threads
-    from specring.shared.checkpoint import latest_checkpoint
     from specring.shared.drafters import get_family
+    from specring.shared.drafters.checkpoint import latest_checkpoint
+    from specring.shared.machine import threads
 
     marks = {"imports": _since_start()}
     cfg = ctx.config
@@ -151,7 +151,7 @@ def body(ctx: ChildContext) -> None:
         torch.cuda.set_device(device)
     plan = threads.apply(threads.plan_threads("consumer", device.type, cfg.producer.devices, cfg.trainer.devices),
                          role="consumer")
-    # on CPU the thread count is chosen by measurement (shared.threads.ThreadTuner): 1 or all of the plan's
+    # on CPU the thread count is chosen by measurement (shared.machine.threads.ThreadTuner): 1 or all of the plan's
     tuner = threads.ThreadTuner([plan.intra, 1] if device.type == "cpu" else [plan.intra])
     if tuner.active:
         torch.set_num_threads(tuner.current)  # one thread until two are measured faster
@@ -165,7 +165,7 @@ def body(ctx: ChildContext) -> None:
         dcfg = drafter_config_from_run(cfg)
         extra = {}
         if get_family(cfg.trainer.drafter).needs_draft_vocab:  # the run's draft vocabulary, written by the supervisor
-            from specring.shared.draft_vocab import read_draft_vocab
+            from specring.shared.drafters.draft_vocab import read_draft_vocab
             extra["draft_vocab"] = read_draft_vocab(ctx.run_dir, dcfg.draft_vocab_size, dcfg.vocab_size)
         elif device.type != "cuda":  # CPU: small groups (per sequence) so no work is spent on other sequences' context
             extra["max_mask_elems"] = CPU_MAX_MASK_ELEMS

@@ -2,7 +2,7 @@
 (``consumer.tau_worker``, started and reaped by rank 0 of the consumers, off the training path).
 
 It decodes with ``specring.shared.models.speculative`` against its own copy of the target and appends a
-record per evaluation to ``RUN_DIR/eval.jsonl`` (a ``shared.run_records.EvalRecord``); an evaluation that raises
+record per evaluation to ``RUN_DIR/eval.jsonl`` (a ``shared.run.run_records.EvalRecord``); an evaluation that raises
 appends a failure record there instead (``record_failure``: ``error`` set, ``tau_mean`` null), which the
 supervisor names in its progress line, in ``summary.json`` (``eval_failures``) and in the run's last line. The
 heavy imports (the decoding loop, transformers) happen on first use, so that a process that only records failures
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from specring.shared import faults
-from specring.shared.run_dir import RunDir
-from specring.shared.run_records import EvalRecord, append_line
+from specring.shared.process import faults
+from specring.shared.run.run_dir import RunDir
+from specring.shared.run.run_records import EvalRecord, append_line
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ class CheckpointEvaluator:
     caller logs it; training goes on).
     Costs one extra copy of the target's weights on the consumer's device (in the evaluator process).
 
-    ``$SPECRING_SLOW_EVAL_S`` (tests and drills only, ``shared.faults``) sleeps that many seconds after each prompt.
+    ``$SPECRING_SLOW_EVAL_S`` (tests and drills only, ``shared.process.faults``) sleeps that many seconds after each
+    prompt.
     """
 
     def __init__(self, run_cfg, device: torch.device, run_dir: str | Path, prompt_len: int = 64):
@@ -52,7 +53,7 @@ class CheckpointEvaluator:
 
     def load(self) -> None:
         """Load the target and the prompts (once); raises ``ConfigError`` if the target does not load."""
-        from specring.shared.models.speculative import load_prompts
+        from specring.shared.data.prompts import load_prompts
         from specring.shared.models.target import load_target
         tc, pc = self.cfg.trainer, self.cfg.producer
         if self.target is None:
@@ -65,7 +66,7 @@ class CheckpointEvaluator:
         """Evaluate ``drafter`` at optimizer step ``step``; returns the record appended to ``eval.jsonl``.
         The drafter decodes through its family's proposer (``evaluate_tau``; EAGLE-3: chains of ``ttt_steps``).
         ``on_prompt(done, total)`` is called after each prompt."""
-        from specring.shared.models.speculative import evaluate_tau
+        from specring.shared.drafters.tau import evaluate_tau
         tc, pc = self.cfg.trainer, self.cfg.producer
         self.load()
         slow_s = faults.slow_eval_s()

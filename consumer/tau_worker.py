@@ -27,7 +27,7 @@ waiting); beyond that the newest waiting one gives way to the new request (logge
 evaluations slower than checkpoints never queue up without bound, and the wait at the end stays bounded. At a
 ``done`` shutdown the consumer waits for the evaluations still owed (``TauWorker.wait``, heartbeating per prompt as
 before); an interrupted run drops them (logged ``tau_eval_cancelled``). The evaluator starts after the consumer's first
-training step (never delaying it). On CPU it runs 1 intra-op and 1 inter-op thread (``shared.threads``).
+training step (never delaying it). On CPU it runs 1 intra-op and 1 inter-op thread (``shared.machine.threads``).
 
 Failures stay visible as before: an evaluation that raises is recorded by the evaluator; an evaluator that exits
 or is silent for ``batch_timeout_s`` during an evaluation (``startup_timeout_s`` while it starts) is killed, its
@@ -56,7 +56,7 @@ from pathlib import Path
 
 from specring.consumer.tau import record_failure
 from specring.shared.paths import IMPORT_ROOT
-from specring.shared.run_dir import RunDir
+from specring.shared.run.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +402,7 @@ class _Stopped(Exception):
 def _read_weights(drafter, weights: str) -> None:
     """Load the trainable tensors of ``weights`` (a checkpoint's step directory or a snapshot file) into
     ``drafter``; raises ``FileNotFoundError``, ``shared.errors.CorruptFile`` or ``ValueError`` naming the file."""
-    from specring.shared.checkpoint import WEIGHTS_FILE, read_safetensors
+    from specring.shared.drafters.checkpoint import WEIGHTS_FILE, read_safetensors
 
     path = Path(weights)
     if path.is_dir():
@@ -416,8 +416,8 @@ def serve(args) -> int:
     import torch
 
     from specring.consumer.tau import CheckpointEvaluator
-    from specring.shared import threads
     from specring.shared.drafters import get_family
+    from specring.shared.machine import threads
 
     device = torch.device(args.device)
     threads.apply(threads.plan_threads("tau", device.type, [], [args.device]), role="tau")
@@ -443,7 +443,7 @@ def serve(args) -> int:
         dcfg = family.config_from_run(cfg)
         extra = {}
         if family.needs_draft_vocab:
-            from specring.shared.draft_vocab import read_draft_vocab
+            from specring.shared.drafters.draft_vocab import read_draft_vocab
             extra["draft_vocab"] = read_draft_vocab(run_dir, dcfg.draft_vocab_size, dcfg.vocab_size)
         drafter = family.build(dcfg, cfg.producer.target, **extra).to(device).eval()
         evaluator.load()
@@ -493,8 +493,8 @@ def serve(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m specring.consumer.tau_worker --run-dir R --device D --parent-pid P --events-fd F [--index I
     --generation G --step N]``: the τ evaluator process, started by ``TauWorker.start``."""
-    from specring.shared.logs import configure_logging
-    from specring.shared.procs import STOP_SIGNALS, set_parent_death_signal, set_process_title
+    from specring.shared.process.logs import configure_logging
+    from specring.shared.process.procs import STOP_SIGNALS, set_parent_death_signal, set_process_title
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", required=True)

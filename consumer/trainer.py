@@ -40,14 +40,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from specring.shared import checkpoint as ckpt
-from specring.shared.config import RunConfig, TrainerConfig
+from specring.shared.config.run_config import RunConfig, TrainerConfig
+from specring.shared.drafters import checkpoint as ckpt
 from specring.shared.drafters import family_of, get_family
 from specring.shared.drafters.contract import ObjectiveContext, StepStats
 from specring.shared.drafters.linear_ce import resolve_linear_ce
 from specring.shared.errors import BadBatch, MessageError
-from specring.shared.run_dir import RunDir
-from specring.shared.run_records import MetricsRecord
+from specring.shared.run.run_dir import RunDir
+from specring.shared.run.run_records import MetricsRecord
 from specring.shared.transport.slot_batch import SlotBatch
 
 logger = logging.getLogger(__name__)

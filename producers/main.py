@@ -1,6 +1,6 @@
 """The producer process: ``python -m producers.main --run-dir R --index I --generation G``.
 
-One process per target replica, started by the supervisor (``shared.procs.spawn_child``). It attaches to
+One process per target replica, started by the supervisor (``shared.process.procs.spawn_child``). It attaches to
 ring ``topology.rings[I]`` (pinning it where CUDA is used), opens the dataset ``config.data.data``, loads
 the target on ``config.producer.devices[I]`` (a device, or a device group ``cuda:0+cuda:1`` the target is split
 over), says ``Hello`` (``ctx.ready()``: only now can it take work;
@@ -22,15 +22,15 @@ On CUDA the target first runs the batch plan's extreme shapes once (``Producer.w
 and its memory at start-up, a clear start-up error if it does not fit), then says ``Hello``.
 
 A ``Heartbeat`` goes out every ``monitor.heartbeat_interval_s`` from a thread of its own, also during a forward that
-takes longer than ``hang_timeout_s`` (``shared.procs.ChildContext``), with ``stats`` (a
+takes longer than ``hang_timeout_s`` (``shared.process.procs.ChildContext``), with ``stats`` (a
 ``shared.transport.stats.ProducerStats``): ``tokens_per_s`` (real tokens published over the last ~10 s),
 ``batches``, ``bad_batches``, ``tokens``, ``gpu_mem_bytes`` and ``gpu_mem_reserved_bytes`` (0 without CUDA),
 ``current_batch`` (-1 when idle), and ``work``/``work_s``: ``"batch N"`` or ``"publish batch N"`` and for how long
 (the monitor gives one batch ``batch_timeout_s``), and the balance figures ``busy_s``/``window_s``/``idle_tail_s``
-(``shared.balance``: busy = forward + capture + slot write + publish; idle = waiting for a lease, i.e. for a free
-slot).
+(``shared.process.balance``: busy = forward + capture + slot write + publish; idle = waiting for a lease, i.e. for a
+free slot).
 
-Fault injection (tests and chaos drills only): the producer's hooks of ``shared.faults`` are applied here
+Fault injection (tests and chaos drills only): the producer's hooks of ``shared.process.faults`` are applied here
 (slow writes, non-finite batches, helper processes, slow and stalled forwards).
 
 The ring is closed (unpinned, unmapped) on exit and never unlinked: the supervisor owns it.
@@ -46,11 +46,12 @@ import time
 import torch
 
 from specring.producers.producer import Pending, Producer
-from specring.shared import faults, threads
 from specring.shared.data.dataset import TokenDataset, collate
-from specring.shared.devices import resolve_device_group
 from specring.shared.errors import ConfigError, MessageError, SlotError
-from specring.shared.procs import ChildContext, child_main
+from specring.shared.machine import threads
+from specring.shared.machine.devices import resolve_device_group
+from specring.shared.process import faults
+from specring.shared.process.procs import ChildContext, child_main
 from specring.shared.transport import messages
 from specring.shared.transport.ring import Ring
 from specring.shared.transport.stats import ProducerStats
@@ -166,7 +167,7 @@ def body(ctx: ChildContext) -> None:
     slow_write_s = faults.slow_write_s()
     group = resolve_device_group(cfg.producer.devices[ctx.index])
     device = group[0]
-    if device.type == "cpu":  # threads by role (shared.threads): one here, the consumer takes the cores
+    if device.type == "cpu":  # threads by role (shared.machine.threads): one here, the consumer takes the cores
         threads.apply(threads.plan_threads("producer", "cpu", cfg.producer.devices, cfg.trainer.devices),
                       role="producer")
     ring = Ring.attach(ctx.topology.rings[ctx.index])

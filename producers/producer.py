@@ -26,7 +26,7 @@ What is guaranteed:
   batch k overlaps the forward of batch k+1, and each ``SlotReady`` still follows its own event.
 
 Fault injection (tests only): ``inject_nonfinite`` (constructor; ``from_config`` reads
-``SPECRING_INJECT_NONFINITE`` through ``shared.faults``) puts a NaN into the captured hidden states of those
+``SPECRING_INJECT_NONFINITE`` through ``shared.process.faults``) puts a NaN into the captured hidden states of those
 batches, before the finite check, so the real check must catch it. ``slow_write_s`` sleeps between writing
 the payload and publishing it (``SPECRING_SLOW_WRITE_S`` in the process), so a test can kill a producer
 while its slot is WRITING.
@@ -41,10 +41,9 @@ from typing import Iterable
 
 import torch
 
-from specring.shared import faults
-from specring.shared.config import ProducerConfig
-from specring.shared.devices import resolve_device_group
+from specring.shared.config.run_config import ProducerConfig
 from specring.shared.errors import ConfigError, PayloadTooLarge
+from specring.shared.machine.devices import resolve_device_group
 from specring.shared.models.target import (
     LayerCapture,
     StopForward,
@@ -56,6 +55,7 @@ from specring.shared.models.target import (
     num_decoder_layers,
     resolve_layer_ids,
 )
+from specring.shared.process import faults
 from specring.shared.transport import layout, messages
 from specring.shared.transport.ring import Ring
 from specring.shared.transport.slot_batch import SlotBatch
@@ -152,8 +152,8 @@ class Producer:
         """Load ``cfg.target`` on ``cfg.devices[index]`` (a device or a device group ``cuda:0+cuda:1``, over which
         the target is split: ``shared.models.target.load_target``) and build a producer for it.
 
-        ``inject_nonfinite`` defaults to ``$SPECRING_INJECT_NONFINITE`` (``shared.faults``). Raises ``ConfigError`` for
-        a bad index, device, checkpoint or layer ids (see ``shared.models.target``).
+        ``inject_nonfinite`` defaults to ``$SPECRING_INJECT_NONFINITE`` (``shared.process.faults``). Raises
+        ``ConfigError`` for a bad index, device, checkpoint or layer ids (see ``shared.models.target``).
         """
         if not 0 <= index < len(cfg.devices):
             raise ConfigError(f"producer index {index} has no device: producer.devices has "

@@ -8,7 +8,7 @@ listings and the test that keeps this file complete (``tests/unit/test_envs.py``
 Who sets them:
 
 * ``specring``: the supervisor, for its children (``SPECRING_RUN_ID``, the data-parallel store of several nodes);
-* ``test``: fault hooks of tests and chaos drills (``shared.faults`` reads them and logs each one that is set);
+* ``test``: fault hooks of tests and chaos drills (``shared.process.faults`` reads them and logs each one that is set);
 * ``launcher``: a multi-node launcher (torchrun, SLURM scripts) or the user, for ``--nnodes`` runs;
 * ``user``: the Hugging Face cache and the experiment trackers, read as those libraries document them.
 
@@ -40,7 +40,7 @@ RUN_ID = "SPECRING_RUN_ID"
 DIST_STORE = "SPECRING_DIST_STORE"
 DIST_PREFIX = "SPECRING_DIST_PREFIX"
 CHECKPOINTS_DIR = "SPECRING_CHECKPOINTS_DIR"
-# fault hooks (shared.faults)
+# fault hooks (shared.process.faults)
 FAULT_HELPERS = "SPECRING_FAULT_HELPERS"
 SLOW_FORWARD_S = "SPECRING_SLOW_FORWARD_S"
 STALL_FORWARD = "SPECRING_STALL_FORWARD"
@@ -53,7 +53,7 @@ SLOW_SHARD_S = "SPECRING_SLOW_SHARD_S"
 
 VARIABLES: dict[str, EnvVar] = _declare(
     EnvVar(RUN_ID, "specring", "marks every process of a run (its children inherit it): `launch.py clean` and the "
-                               "next start find leftovers by it (shared.procs)"),
+                               "next start find leftovers by it (shared.process.procs)"),
     EnvVar(DIST_STORE, "specring", "host:port of the TCPStore the consumers' process group meets in (several nodes)"),
     EnvVar(DIST_PREFIX, "specring", "the prefix of this run's keys in that store"),
     EnvVar(CHECKPOINTS_DIR, "specring", "node 0's checkpoints directory, read on --resume by the other nodes"),

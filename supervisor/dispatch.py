@@ -1,7 +1,7 @@
 """The supervisor's messages: every frame from the coordinator socket, and every send to a child.
 
 ``MessageDispatch`` (a part of ``supervisor.supervisor.Supervisor``) validates a frame's sender (its ZeroMQ
-identity names role, index and generation: ``shared.procs.peer_identity``), fences other generations
+identity names role, index and generation: ``shared.process.procs.peer_identity``), fences other generations
 (``Coordinator.fenced``), hands the message to the ``Coordinator`` (ledger), the ``HealthMonitor`` (liveness)
 and the balance figures, and answers operator commands (``launch.py status``/``restart``/``stop``), rate-limited
 per peer (``supervisor.peers``). A frame that is malformed, from an unknown peer or trips an error in a handler
@@ -22,9 +22,9 @@ import zmq
 
 from specring.shared.drafters import get_family
 from specring.shared.errors import MessageError
-from specring.shared.procs import parse_identity, peer_identity
-from specring.shared.run_dir import RunDir
-from specring.shared.run_records import RunStatus, StatusRow
+from specring.shared.process.procs import parse_identity, peer_identity
+from specring.shared.run.run_dir import RunDir
+from specring.shared.run.run_records import RunStatus, StatusRow
 from specring.shared.transport import channel
 from specring.shared.transport import messages as m
 from specring.supervisor.monitor import Child

@@ -11,7 +11,7 @@ here.
 run's latest checkpoint read (nothing to do when every planned batch is in it), the supervisor's log
 configured, EAGLE-3's draft vocabulary built once, then ``Supervisor.run`` to the end. Returns a
 ``LaunchResult`` with the exit code and the run's summary (``summary.json``'s content, a
-``shared.run_records.Summary``).
+``shared.run.run_records.Summary``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from specring.shared.config import RunConfig
-from specring.shared.run_dir import RunDir
-from specring.shared.run_records import Summary
+from specring.shared.config.run_config import RunConfig
+from specring.shared.run.run_dir import RunDir
+from specring.shared.run.run_records import Summary
 
 
 @dataclass
@@ -75,7 +75,7 @@ def launch(start: RunStart, say: Callable[[str], None] = print) -> LaunchResult:
             if all(b.batch_id in trained for b in plan.order):
                 return LaunchResult(0, note=f"nothing to resume: all {len(plan.order)} planned batches of "
                                             f"{cfg.run_dir} are in its latest checkpoint (see its summary.json)")
-        from specring.shared.logs import configure_logging
+        from specring.shared.process.logs import configure_logging
         configure_logging("supervisor", log_file=RunDir(cfg.run_dir).log_file("supervisor"))
         # EAGLE-3: the draft vocabulary, built once from the data (read back, never rebuilt, on --resume)
         if prepare_draft_vocab(cfg, plan) == "built":

@@ -22,7 +22,7 @@ import os
 import signal
 import time
 
-from specring.shared.procs import kill_group, kill_orphans, terminate
+from specring.shared.process.procs import kill_group, kill_orphans, terminate
 from specring.shared.transport import channel
 from specring.shared.transport import messages as m
 from specring.supervisor.dispatch import POLL_S

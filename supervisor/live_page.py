@@ -25,9 +25,9 @@ import threading
 import time
 from pathlib import Path
 
-from specring.shared import run_dir as rd
-from specring.shared.run_dir import RunDir
-from specring.shared.run_records import StatusRow
+from specring.shared.run import run_dir as rd
+from specring.shared.run.run_dir import RunDir
+from specring.shared.run.run_records import StatusRow
 from specring.supervisor.report import load_run, render_page, render_plots
 from specring.supervisor.status import status_mib as _mib
 from specring.supervisor.status import status_num as _num

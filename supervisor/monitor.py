@@ -5,7 +5,7 @@ The monitor decides; the supervisor acts. What it promises:
 * A child is **hung** when, for ``hang_timeout_s``, it has sent no heartbeat *and* made no progress
   (published or trained nothing): it is stopped (SIGSTOP), stuck holding the GIL, or gone quiet; a child
   that never says Hello within ``startup_timeout_s`` is hung too.
-* Heartbeats come from a thread of the child's own (``shared.procs.ChildContext``), so they go on while the
+* Heartbeats come from a thread of the child's own (``shared.process.procs.ChildContext``), so they go on while the
   main thread works; each says what the main thread is doing (``work``) and for how long (``work_s``). A
   child is also hung when its main thread has been on one piece of work (a batch, a checkpoint, one eval
   prompt) for more than ``batch_timeout_s`` (a deadlocked forward: the heartbeat thread is fine, the batch
@@ -29,7 +29,7 @@ from typing import Callable
 
 import psutil
 
-from specring.shared.config import MonitorConfig
+from specring.shared.config.run_config import MonitorConfig
 from specring.shared.transport.stats import ChildStats, parse_stats
 
 

@@ -44,7 +44,7 @@ import zmq
 
 from specring.shared import envs
 from specring.shared.errors import ConfigError, MessageError
-from specring.shared.run_dir import RunDir
+from specring.shared.run.run_dir import RunDir
 from specring.shared.transport import channel
 from specring.shared.transport import messages as m
 from specring.supervisor.peers import LogLimiter
@@ -97,7 +97,7 @@ WHY = {"target weights": "the target checkpoints' weights differ (compared by co
 def plan_record(cfg, plan) -> dict[str, str]:
     """What every node must agree on, one short digest per item: the batch order, the data, the captured
     layers, the steps, the slot size, the consumers per node, each trainer field, the target by content
-    (``shared.fingerprint.target_fingerprint``: its config, sampled weights and tokenizer, whatever its path) and
+    (``shared.models.fingerprint.target_fingerprint``: its config, sampled weights and tokenizer, whatever its path) and
     how it is captured (``CAPTURE_FIELDS``: dtype, random weights, remote code). Nodes that differ in any
     would train different runs (a drafter trained on two targets' hidden states mixed); ``plan_differences``
     names the items. Raises ``ConfigError`` naming ``--target`` when the target's files cannot be read."""
@@ -109,7 +109,7 @@ def plan_record(cfg, plan) -> dict[str, str]:
             record[f"trainer.{k}"] = _digest(v)
     producer = getattr(cfg, "producer", None)
     if getattr(producer, "target", None):
-        from specring.shared.fingerprint import target_fingerprint
+        from specring.shared.models.fingerprint import target_fingerprint
         try:
             record.update(target_fingerprint(producer.target))
         except OSError as e:

@@ -4,7 +4,7 @@ On a terminal it is a tqdm bar whose postfix carries the figures. Elsewhere (CI,
 it is a ``progress step=.../... loss=... tokens_per_s=... rings=... restarts=...`` log line at most every
 ``log_interval_s`` seconds and one at the end, so logs stay free of carriage returns. Ring occupancy is
 written per producer as ``F/W/R/r`` = slots FREE / WRITING / READY / READING. Given the run's balance figures
-(``shared.balance.run_balance``), the line ends with ``duty=`` (the producers' duty cycle) and ``starved=``
+(``shared.process.balance.run_balance``), the line ends with ``duty=`` (the producers' duty cycle) and ``starved=``
 (the consumers' starvation), ``-`` before the first batch; a τ evaluation that raised adds ``eval_failed=N (step
 S: error)``.
 """

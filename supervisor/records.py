@@ -2,10 +2,10 @@
 
 ``RunRecords`` (a part of ``supervisor.supervisor.Supervisor``) derives the run's figures from what the
 supervisor saw: tokens/s between the first and the latest optimizer step, duty cycles and starvation
-(``shared.balance``), ring occupancy and restarts for the trackers of ``--report-to`` (``supervisor.reporting``),
-the last checkpoint (from messages, or from disk when its message was lost), the batches ``--resume`` will
-train, the τ evaluations that failed (``eval.jsonl``), and at the end ``summary.json`` (a
-``shared.run_records.Summary``, whose docstring lists its fields; written through ``shared.run_dir.RunDir``).
+(``shared.process.balance``), ring occupancy and restarts for the trackers of ``--report-to``
+(``supervisor.reporting``), the last checkpoint (from messages, or from disk when its message was lost), the batches
+``--resume`` will train, the τ evaluations that failed (``eval.jsonl``), and at the end ``summary.json`` (a
+``shared.run.run_records.Summary``, whose docstring lists its fields; written through ``shared.run.run_dir.RunDir``).
 
 State it uses on the supervisor: ``coordinator``, ``producers``/``consumers``, ``balance``, ``reporter``,
 ``progress``, ``run_dir``, ``run_id``, ``trained_steps``, ``trained_at_start``, ``last_checkpoint``, the
@@ -19,9 +19,9 @@ import os
 import time
 from dataclasses import dataclass
 
-from specring.shared.balance import run_balance
-from specring.shared.run_dir import RunDir
-from specring.shared.run_records import EvalRecord, Summary
+from specring.shared.process.balance import run_balance
+from specring.shared.run.run_dir import RunDir
+from specring.shared.run.run_records import EvalRecord, Summary
 from specring.supervisor.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class RunRecords:
         return self.tokens_trained / (self.last_trained_at - self.first_trained_at)
 
     def _balance(self, steady: bool) -> dict:
-        """Duty cycles and starvation of the run's processes (``shared.balance.run_balance``)."""
+        """Duty cycles and starvation of the run's processes (``shared.process.balance.run_balance``)."""
         return run_balance([self.balance[("producer", c.index)] for c in self.producers],
                            [self.balance[("consumer", c.index)] for c in self.consumers], steady=steady)
 
@@ -189,7 +189,7 @@ class RunRecords:
             tau_best=self._tau_best(),
             # τ evaluations that raised ({step, error}); training went on without them
             eval_failures=self.poll_eval_failures(),
-            # duty cycle of producers, starvation of consumers, capacity per process (shared.balance)
+            # duty cycle of producers, starvation of consumers, capacity per process (shared.process.balance)
             balance=self._balance(steady=True),
         )
         if self.topo is not None:

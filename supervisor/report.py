@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specring.shared.run_dir import (
+from specring.shared.run.run_dir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     EVAL_FILE,

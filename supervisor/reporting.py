@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from specring.shared import envs
-from specring.shared.config import REPORT_BACKENDS
+from specring.shared.config.run_config import REPORT_BACKENDS
 from specring.shared.errors import ConfigError
-from specring.shared.run_dir import RunDir
-from specring.shared.run_records import EvalRecord, MetricsRecord
+from specring.shared.run.run_dir import RunDir
+from specring.shared.run.run_records import EvalRecord, MetricsRecord
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def _tracker_worker(inbox, outbox) -> None:
     starts, then every ``["log", metrics, step]`` line goes to each, until ``["close"]`` (or the end of
     ``inbox``); the backends close. What happened goes to ``outbox`` as JSON lines: ``["backend", name, state,
     level, log line]`` and, last, ``["stats", sent, failed]``. A backend that raises is dropped."""
-    from specring.shared.procs import set_parent_death_signal, set_process_title
+    from specring.shared.process.procs import set_parent_death_signal, set_process_title
     set_parent_death_signal(signal.SIGKILL)
     set_process_title("sr-trackers")
 

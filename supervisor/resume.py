@@ -3,12 +3,12 @@
 * A fresh run gets ``runs/<UTC time>`` unless ``--run-dir`` names one; ``runs/latest`` points at the newest
   run that passed its start-up checks. ``--resume`` without ``--run-dir`` resumes the run it points at; a
   ``--resume`` of a run that saved no checkpoint trains it from the beginning.
-* A run directory that a live launcher holds (``shared.run_dir.RunDir.held``: ``flock`` on ``RUN_DIR/.lock``,
+* A run directory that a live launcher holds (``shared.run.run_dir.RunDir.held``: ``flock`` on ``RUN_DIR/.lock``,
   whatever PID namespace it runs in) is refused (two supervisors would share a socket); ``status`` and ``clean``
   ask the same lock.
 * A fresh run into a directory that already holds checkpoints is refused (use ``--resume`` or another
   directory) so no earlier result is overwritten.
-* ``--resume``: the trained batch ids come from the latest checkpoint (``shared.checkpoint``); the
+* ``--resume``: the trained batch ids come from the latest checkpoint (``shared.drafters.checkpoint``); the
   trainer drops the ``metrics.jsonl`` records of steps after that checkpoint (their weights were lost),
   so the final ``metrics.jsonl`` lists every batch exactly once.
 * A run knows its data: ``RUN_DIR/data.json`` (``data_record``), written when the run starts without a
@@ -24,9 +24,9 @@ import logging
 import sys
 from pathlib import Path
 
-from specring.shared.config import RunConfig
+from specring.shared.config.run_config import RunConfig
 from specring.shared.errors import ConfigError
-from specring.shared.run_dir import RunDir
+from specring.shared.run.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -71,11 +71,11 @@ def prepare_run_dir(cfg: RunConfig) -> bool:
 
 def check_latest_readable(run_dir: Path) -> None:
     """On ``--resume``: check that every file of the checkpoint ``checkpoints/latest`` names reads
-    (``shared.checkpoint.check_checkpoint_files``: headers and archive directories only, cheap at any size).
+    (``shared.drafters.checkpoint.check_checkpoint_files``: headers and archive directories only, cheap at any size).
     Raises ``ConfigError`` naming ``--resume``, the file that does not read and how to continue: from the newest
     older checkpoint that reads (``last_good_checkpoint``; its name written into ``latest``, the batches trained
     after it are trained again), or, when none reads, from the beginning (the checkpoints moved away)."""
-    from specring.shared.checkpoint import check_checkpoint_files, last_good_checkpoint, latest_checkpoint
+    from specring.shared.drafters.checkpoint import check_checkpoint_files, last_good_checkpoint, latest_checkpoint
     from specring.shared.errors import CorruptFile
 
     ckpts = RunDir(run_dir).checkpoints_dir
@@ -95,11 +95,11 @@ def check_latest_readable(run_dir: Path) -> None:
 
 
 def check_run_dir_outputs(cfg: RunConfig, run_dir: Path) -> None:
-    """Refuse a ``--run-dir`` whose records (``shared.run_dir.RunDir.records``) would replace what the run reads: a
+    """Refuse a ``--run-dir`` whose records (``shared.run.run_dir.RunDir.records``) would replace what the run reads: a
     file of the target's directory (``--run-dir`` the target itself), ``--data``, ``--heldout`` or their
-    sidecars (``shared.outputs.check_outputs``; ``ConfigError`` naming ``--run-dir``)."""
+    sidecars (``shared.config.outputs.check_outputs``; ``ConfigError`` naming ``--run-dir``)."""
+    from specring.shared.config.outputs import check_outputs
     from specring.shared.data.dataset import sidecar_path
-    from specring.shared.outputs import check_outputs
 
     outputs = RunDir(run_dir).records()
     inputs = {"target directory": cfg.producer.target if Path(cfg.producer.target).is_dir() else None}
@@ -228,7 +228,7 @@ def read_checkpoint_batches(run_dir: Path) -> tuple[set[int], set[int]]:
     """``(updated, skipped)``: batch ids of the latest checkpoint of ``run_dir`` whose steps updated the
     weights, and those whose steps were skipped (no labels, non-finite loss); two empty sets if there is
     no checkpoint. Reads the trainer state only (memory-mapped), not the weights."""
-    from specring.shared.checkpoint import latest_checkpoint, load_trainer_state
+    from specring.shared.drafters.checkpoint import latest_checkpoint, load_trainer_state
     path = latest_checkpoint(RunDir(run_dir).checkpoints_dir)
     if path is None:
         return set(), set()
@@ -238,14 +238,14 @@ def read_checkpoint_batches(run_dir: Path) -> tuple[set[int], set[int]]:
 
 
 def prepare_draft_vocab(cfg: RunConfig, plan) -> str:
-    """The draft vocabulary of an EAGLE-3 run (``shared.draft_vocab``), once the run directory is claimed:
+    """The draft vocabulary of an EAGLE-3 run (``shared.drafters.draft_vocab``), once the run directory is claimed:
     built from the loss-carrying tokens of ``--data`` when the run starts, read back (never rebuilt) on
     ``--resume`` once it exists or a checkpoint was saved. Returns what was done (``"built"``, ``"read"``;
     ``""`` for a DFlash run). Raises ``ConfigError`` naming ``--resume`` when a resumed run's file is
     missing or is not the vocabulary its drafter needs, ``ConfigError`` naming ``--data`` when a token id
     lies outside the target's vocabulary."""
-    from specring.shared.draft_vocab import read_draft_vocab, write_draft_vocab
     from specring.shared.drafters import get_family
+    from specring.shared.drafters.draft_vocab import read_draft_vocab, write_draft_vocab
 
     if not get_family(cfg.trainer.drafter).needs_draft_vocab:
         return ""
@@ -271,12 +271,13 @@ def check_resume_draft_vocab(cfg: RunConfig, plan) -> None:
     ``draft_vocab.safetensors`` must be the vocabulary that checkpoint was trained with (its ``d2t``/``t2d``
     buffers), checked before anything starts (``train --plan`` included), not by the consumer after start-up.
     Reads only those two tensors of the checkpoint. Raises ``ConfigError`` naming ``--resume`` and both files
-    when they differ, and what ``shared.draft_vocab.read_draft_vocab`` raises for a missing or misshapen file."""
+    when they differ, and what ``shared.drafters.draft_vocab.read_draft_vocab`` raises for a missing or misshapen
+    file."""
     import torch
 
-    from specring.shared.checkpoint import WEIGHTS_FILE, latest_checkpoint, read_safetensors
-    from specring.shared.draft_vocab import read_draft_vocab
     from specring.shared.drafters import get_family
+    from specring.shared.drafters.checkpoint import WEIGHTS_FILE, latest_checkpoint, read_safetensors
+    from specring.shared.drafters.draft_vocab import read_draft_vocab
     from specring.shared.errors import CorruptFile
 
     run = RunDir(cfg.run_dir)

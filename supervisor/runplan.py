@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from specring.shared.config import RunConfig
+from specring.shared.config.run_config import RunConfig
 from specring.shared.data.dataset import Batch, BatchPlan, TokenDataset
-from specring.shared.devices import DTYPE_NAMES, resolve_device, resolve_device_group, resolve_dtype
 from specring.shared.drafters import get_family
 from specring.shared.errors import ConfigError
+from specring.shared.machine.devices import DTYPE_NAMES, resolve_device, resolve_device_group, resolve_dtype
 from specring.shared.models.layer_ids import describe_capture, layer_kinds
 from specring.shared.models.target_config import read_target_config, text_config
 from specring.shared.transport import layout
@@ -97,7 +97,7 @@ class RunPlan:
 
 
 def check_device(spec: str, flag: str) -> torch.device:
-    """``spec`` as a device of this machine (``shared.devices.resolve_device``); ``ConfigError`` naming ``flag``
+    """``spec`` as a device of this machine (``shared.machine.devices.resolve_device``); ``ConfigError`` naming ``flag``
     if it is not one."""
     try:
         return resolve_device(spec)
@@ -106,7 +106,7 @@ def check_device(spec: str, flag: str) -> torch.device:
 
 
 def check_device_group(spec: str, flag: str) -> list[torch.device]:
-    """``spec`` as a producer's device group of this machine (``shared.devices.resolve_device_group``);
+    """``spec`` as a producer's device group of this machine (``shared.machine.devices.resolve_device_group``);
     ``ConfigError`` naming ``flag`` if it is not one."""
     try:
         return resolve_device_group(spec)
@@ -220,13 +220,13 @@ def resolve_run(cfg: RunConfig) -> RunPlan:
 
     Checks that every tracker of ``--report-to`` is installed (``supervisor.reporting.check_backends``) and
     resolves ``--target`` once, a hub id to its directory in the local Hugging Face cache
-    (``shared.hub.resolve_model_dir``): the children and the run's ``config.json`` get the directory.
+    (``shared.models.hub.resolve_model_dir``): the children and the run's ``config.json`` get the directory.
     Fills in ``cfg.data.data``/``cfg.data.heldout`` (demo corpus, prepared on first use),
     ``cfg.producer.target_layer_ids`` (the drafter family's rule, ``drafter_layer_ids``),
     ``cfg.trainer.distill_topk`` when none, ``cfg.ring.slot_bytes`` when 0 and ``cfg.trainer.max_steps`` when
     ``--epochs`` is given, so that children read fully resolved values.
     """
-    from specring.shared.hub import resolve_model_dir
+    from specring.shared.models.hub import resolve_model_dir
     from specring.supervisor.reporting import check_backends
 
     check_backends(cfg.report_to)

@@ -5,14 +5,14 @@ The file is the run's state for tools that do not talk to the socket (benchmarks
 atomically (written aside, then renamed), so a reader sees a whole file or the previous one, never a torn
 write. It says nothing once the supervisor has exited: the rows are those of its last second.
 
-A row is a ``shared.run_records.StatusRow`` (its docstring lists the figures): ``role``, ``index``, ``pid``,
+A row is a ``shared.run.run_records.StatusRow`` (its docstring lists the figures): ``role``, ``index``, ``pid``,
 ``generation``, ``state``, ``heartbeat_age_s`` (None before Hello), ``tokens_per_s``, ``gpu_mem_bytes``,
 ``restarts``, ``work``/``work_s`` (what the main thread is busy with, from its last heartbeat), the monitor's psutil
 figures (``cpu_percent``, ``rss_bytes``, ``threads``), for a producer ``duty_cycle`` (fraction of the time since
 its first batch spent on forward + capture + slot write, the rest waiting for a lease) and ``ring``: its slot
 counts by state, and for a consumer ``starvation`` (fraction of the time since its first batch spent waiting for a
-delivered slot); both None before the first batch or from a child that does not report them (``shared.balance``).
-Where the file lives and how it is replaced: ``shared.run_dir.RunDir.write_status``.
+delivered slot); both None before the first batch or from a child that does not report them
+(``shared.process.balance``). Where the file lives and how it is replaced: ``shared.run.run_dir.RunDir.write_status``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from specring.shared.run_dir import RunDir
-from specring.shared.run_records import StatusFile, StatusRow
+from specring.shared.run.run_dir import RunDir
+from specring.shared.run.run_records import StatusFile, StatusRow
 
 
 def write_status(run_dir: str | Path, run_id: str, rows: list[StatusRow]) -> None:

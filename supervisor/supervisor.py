@@ -12,11 +12,11 @@ outcome.
 Guarantees: a producer's unpublished slots are reclaimed only after its process has been reaped; a
 consumer's death ends the run with its last checkpoint kept (``--resume`` continues), and a run whose
 final checkpoint was not written is never reported ``done``; rings and the socket
-are removed in ``finally`` whatever happens (a signal of ``shared.procs.STOP_SIGNALS``, SIGHUP included, is a
+are removed in ``finally`` whatever happens (a signal of ``shared.process.procs.STOP_SIGNALS``, SIGHUP included, is a
 graceful stop), and a SIGKILL of the supervisor itself leaves children that
 die within a second or two (parent-death signal) and segments that the next start sweeps. Nothing a child
 started outlives the child's exit or the run: the child's process group is killed once it has exited, and
-the supervisor, a child subreaper, kills the orphans that come back to it (``shared.procs``); after a
+the supervisor, a child subreaper, kills the orphans that come back to it (``shared.process.procs``); after a
 SIGKILL of the supervisor, the next start or ``launch.py clean`` kills them by their ``SPECRING_RUN_ID``.
 
 No peer of the socket can stall the loop or the signal path: sends never block (a command peer whose queue is full is
@@ -36,9 +36,9 @@ from pathlib import Path
 
 import zmq
 
-from specring.shared.balance import ProcessBalance
-from specring.shared.config import RunConfig
-from specring.shared.procs import (
+from specring.shared.config.run_config import RunConfig
+from specring.shared.process.balance import ProcessBalance
+from specring.shared.process.procs import (
     RUN_ID_ENV,
     become_subreaper,
     install_stop_handlers,
@@ -46,8 +46,8 @@ from specring.shared.procs import (
     spawn_child,
     sweep_run_processes,
 )
-from specring.shared.run_dir import RunDir
-from specring.shared.run_records import StatusRow, Topology
+from specring.shared.run.run_dir import RunDir
+from specring.shared.run.run_records import StatusRow, Topology
 from specring.shared.transport import channel
 from specring.shared.transport.ring import (
     Ring,
@@ -259,7 +259,7 @@ class Supervisor(MessageDispatch, NodeEvents, ChildLifecycle, RunRecords):
         return outcome
 
     def _on_signal(self, signum, _frame) -> None:
-        """Any of ``shared.procs.STOP_SIGNALS``: the first stops the run gracefully (consumers checkpoint,
+        """Any of ``shared.process.procs.STOP_SIGNALS``: the first stops the run gracefully (consumers checkpoint,
         ``summary.json``, rings and socket removed), a second one of another kind hard (no waiting for checkpoints).
         A repeated SIGHUP is the same hang-up (a dropped ssh session hangs up the launcher and its shell, which
         passes it on): it never escalates."""

@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from specring.shared.run_dir import RunDir
+from specring.shared.run.run_dir import RunDir
 
 log = logging.getLogger(__name__)
 

@@ -173,7 +173,7 @@ class TokenDataset:
 
     def loss_token_counts(self, vocab_size: int) -> np.ndarray:
         """``[vocab_size] int64``: how often each token id occurs where ``loss_mask`` is set (the counts an
-        EAGLE-3 draft vocabulary is chosen from, ``shared.draft_vocab``). One vectorised pass over the
+        EAGLE-3 draft vocabulary is chosen from, ``shared.drafters.draft_vocab``). One vectorised pass over the
         memory-mapped columns. Raises ``ValueError`` for an id outside ``[0, vocab_size)``."""
         counts = np.zeros(int(vocab_size), dtype=np.int64)
         for (io, iv), (mo, mv) in zip(zip(self._ids_offsets, self._ids_values),

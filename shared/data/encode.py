@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator
 import numpy as np
 
 from specring.shared import envs
-from specring.shared.config import MAX_INT32, check_numbers, num
+from specring.shared.config.run_config import MAX_INT32, check_numbers, num
 from specring.shared.data.dataset import has_anchor
 from specring.shared.errors import ConfigError
 from specring.shared.models.target_config import CONFIG_FILE, read_target_config, text_config
@@ -78,9 +78,9 @@ class StrictError(ValueError):
 def load_tokenizer(tokenizer_dir: str | Path, trust_remote_code: bool = False):
     """A Hugging Face tokenizer from a local directory (no network), without the max-length warning.
 
-    Loaded through ``shared.hub.load_pretrained`` (``trust_remote_code``: the tokenizer's own code may run).
+    Loaded through ``shared.models.hub.load_pretrained`` (``trust_remote_code``: the tokenizer's own code may run).
     Raises ``ConfigError`` naming ``--tokenizer`` when the directory does not exist."""
-    from specring.shared.hub import load_pretrained
+    from specring.shared.models.hub import load_pretrained
 
     path = Path(tokenizer_dir)
     if not path.is_dir():
@@ -521,7 +521,7 @@ _WORKER: dict[str, Encoder] = {}
 def _init_worker(cfg: EncoderConfig) -> None:
     import signal
 
-    from specring.shared.procs import set_parent_death_signal
+    from specring.shared.process.procs import set_parent_death_signal
     set_parent_death_signal(signal.SIGKILL)          # a tokenizer worker dies with its launcher, whatever kills it
     envs.put("TOKENIZERS_PARALLELISM", "false")   # one process per core already
     _WORKER["encoder"] = Encoder(cfg)

@@ -67,9 +67,9 @@ def check_inputs(files: list[Path]) -> None:
 def check_output_names(output: Path, files: list[Path], tokenizer: Path | None = None) -> None:
     """Refuse an ``--output`` whose data file, sidecar (``NAME.json``) or their temporary names (``.tmp``)
     collide with one another, with an input file, or with a file of the tokenizer's directory
-    (``shared.outputs.check_outputs``; ``ConfigError`` naming ``--output``)."""
+    (``shared.config.outputs.check_outputs``; ``ConfigError`` naming ``--output``)."""
+    from specring.shared.config.outputs import check_outputs
     from specring.shared.data.dataset import sidecar_path
-    from specring.shared.outputs import check_outputs
 
     side = sidecar_path(output)
     check_outputs("--output", {"data file": output, "sidecar": side,
@@ -122,8 +122,8 @@ def _tasks(files: list[Path]) -> Iterator[Task]:
 
 
 def plan_summary(path: Path) -> str:
-    """Bucket summary of the default batch plan (``shared.config.DataConfig`` defaults) over ``path``."""
-    from specring.shared.config import DataConfig
+    """Bucket summary of the default batch plan (``shared.config.run_config.DataConfig`` defaults) over ``path``."""
+    from specring.shared.config.run_config import DataConfig
     from specring.shared.data.dataset import BatchPlan, TokenDataset
 
     cfg = DataConfig()

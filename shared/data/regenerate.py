@@ -109,8 +109,8 @@ class TransformersBackend:
                  cache: str = "auto"):
         import torch
 
-        from specring.shared.devices import resolve_device, resolve_dtype
-        from specring.shared.hub import load_pretrained
+        from specring.shared.machine.devices import resolve_device, resolve_dtype
+        from specring.shared.models.hub import load_pretrained
         if cache not in CACHES:
             raise ValueError(f"cache: must be one of {', '.join(CACHES)}, got {cache!r}")
         dev = resolve_device(device)
@@ -260,7 +260,7 @@ class Settings:
 
 def stop_and_pad_ids(target: str, trust_remote_code: bool = False) -> tuple[list[int], int]:
     """The target's stop tokens (generation config's, else config's ``eos_token_id``) and pad id."""
-    from specring.shared.hub import load_pretrained
+    from specring.shared.models.hub import load_pretrained
     stop = None
     try:
         stop = load_pretrained("generation_config", target).eos_token_id
@@ -335,15 +335,15 @@ def _worker(device: str, backend_name: str, st: Settings, shards: list[int], par
     It dies with its launcher (``PR_SET_PDEATHSIG``: SIGKILL when the launcher dies, whatever killed it; it exits
     at once when the launcher is already gone) and leaves the terminal's SIGINT/SIGHUP to the launcher, which
     stops it. A shard is written only while ``parts/manifest.json`` is this regeneration's (``write_shard``)."""
-    from specring.shared.procs import set_parent_death_signal
+    from specring.shared.process.procs import set_parent_death_signal
     set_parent_death_signal(signal.SIGKILL)
     if parent_pid and os.getppid() != parent_pid:  # the launcher died before the line above took effect
         return
     for sig in (signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     try:
-        from specring.shared import faults
         from specring.shared.data.dataset import TokenDataset
+        from specring.shared.process import faults
         ds = TokenDataset(st.input)
         jobs_by_shard = shard_jobs(ds, st)[0]
         stop_ids, pad_id = stop_and_pad_ids(st.target, st.trust_remote_code)
@@ -501,9 +501,9 @@ def merge(parts: Path, num_shards: int, output: Path, st: Settings, meta: dict) 
 def check_output_names(output: Path, input_path: Path, target: Path) -> None:
     """Refuse an ``--output`` whose data file, sidecar, temporary names or shard directory (``OUTPUT.parts``)
     collide with one another, with ``--input`` or its sidecar, or with a file of the target's directory
-    (``shared.outputs.check_outputs``; ``ConfigError`` naming ``--output``)."""
+    (``shared.config.outputs.check_outputs``; ``ConfigError`` naming ``--output``)."""
+    from specring.shared.config.outputs import check_outputs
     from specring.shared.data.dataset import sidecar_path
-    from specring.shared.outputs import check_outputs
 
     side = sidecar_path(output)
     check_outputs("--output", {"data file": output, "sidecar": side,
@@ -521,7 +521,7 @@ def resolve_devices(text: str) -> list[str]:
     out = [d.strip() for d in text.split(",") if d.strip()]
     if not out:
         raise ConfigError("--devices: give a device list such as cpu or cuda:0,cuda:1")
-    from specring.shared.devices import resolve_device
+    from specring.shared.machine.devices import resolve_device
     for d in out:
         resolve_device(d)
     return out
@@ -533,7 +533,7 @@ def regenerate(ds, st: "Settings", output: Path, devices: list[str], backend: st
                parts: Path, no_progress: bool = False) -> int:
     """Generate every shard not yet in ``parts`` with one worker process per device (one engine for vLLM/SGLang),
     then merge them into ``output``; returns the command's exit status: 0 done, 1 when a worker failed (the
-    finished shards kept), 130 when a signal of ``shared.procs.STOP_SIGNALS`` stopped it (its workers with it).
+    finished shards kept), 130 when a signal of ``shared.process.procs.STOP_SIGNALS`` stopped it (its workers with it).
     ``shards, bad, counts`` come from ``shard_jobs(ds, st)``; progress on stderr (tqdm unless ``no_progress``)."""
     from tqdm import tqdm
 
@@ -557,7 +557,7 @@ def regenerate(ds, st: "Settings", output: Path, devices: list[str], backend: st
             procs.append(ctx.Process(target=_worker, args=(dev, backend, st, mine, str(parts), queue, os.getpid())))
     failed = []
     interrupted = ""
-    from specring.shared.procs import install_stop_handlers, restore_handlers
+    from specring.shared.process.procs import install_stop_handlers, restore_handlers
 
     def on_signal(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)

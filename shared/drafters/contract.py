@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:  # typing only: the config module does not import the drafters
-    from specring.shared.config import RunConfig, TrainerConfig
+    from specring.shared.config.run_config import RunConfig, TrainerConfig
     from specring.shared.transport.slot_batch import SlotBatch
 
 # name -> what it sums; every family's layout has these (scalars)

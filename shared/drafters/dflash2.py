@@ -15,11 +15,11 @@ here is DFlash's block loss (``shared/drafters/dflash.py``) plus the selector's:
 * Metrics: ``selector_acc`` per slot (the selector's argmax over the true top-K is the gold token) and
   ``topk_recall`` per slot (the gold token is in the top-K at all), beside DFlash's unary ``per_slot_acc``.
 
-Decoding (``DFlash2Proposer``): the block's unary logits and final hidden states (``DFlashDrafter.draft_block``),
-then the selector's left-to-right walk from the anchor, greedy at temperature 0, sampled from ``softmax(scores /
-T)`` over the K candidates otherwise, filtered by the same top-k/top-p as the target's side (the reference applies
-the temperature alone), whose
-``q`` (zero outside the candidates) drives lossless rejection sampling.
+Decoding (``shared.models.speculative.DFlash2Proposer``): the block's unary logits and final hidden states
+(``DFlashDrafter.draft_block``), then the selector's left-to-right walk from the anchor, greedy at temperature 0,
+sampled from ``softmax(scores / T)`` over the K candidates otherwise, filtered by the same top-k/top-p as the target's
+side (the reference applies the temperature alone), whose ``q`` (zero outside the candidates) drives lossless
+rejection sampling.
 """
 
 from __future__ import annotations
@@ -134,6 +134,7 @@ class DFlash2Family(DFlashFamily):
 
     # ------------------------------------------------------------------ decoding
     def proposer(self, model, *, block_size=None, num_draft_tokens=None):
+        from specring.shared.models.speculative import DFlash2Proposer
         return DFlash2Proposer(model, block_size)
 
     # ------------------------------------------------------------------ export
@@ -148,77 +149,6 @@ class DFlash2Family(DFlashFamily):
     def load_export(self, export_dir, device="cpu", target_dir=None, dtype=None) -> nn.Module:
         from specring.shared.drafters.dflash2_export import load_dflash2_export
         return load_dflash2_export(export_dir, device, target_dir, dtype)
-
-
-class DFlash2Proposer:
-    """Proposer over a ``DFlash2Drafter`` (the interface of ``shared.models.speculative``): the block's unary
-    logits and hidden states, then the candidate selector's walk from the anchor. ``block_size`` (default: the
-    drafter's) bounds the drafts per step to ``block_size - 1``."""
-
-    needs_features = True
-
-    def __init__(self, drafter: DFlash2Drafter, block_size: int | None = None, name: str = "dflash2"):
-        self.drafter = drafter
-        self.block_size = int(block_size or drafter.config.block_size)
-        self.name = name
-        self.cache = None
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def reset(self, prompt_ids: list[int]) -> None:
-        """Forget the previous prompt's cache and queued context."""
-        self.cache = None
-        self._pending = []
-
-    def add_context(self, features: torch.Tensor | None, positions: torch.Tensor) -> None:
-        """Queue verified context ``features [C, n*H]`` at ``positions [C]``; ``ValueError`` for None."""
-        if features is None:
-            raise ValueError("DFlash2Proposer.add_context: the drafter needs target features (got None)")
-        self._pending.append((features, positions))
-
-    def _walk(self, tokens: list[int], k: int, temperature: float, generator, probs=None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        dev = self.drafter.fc.weight.device
-        if self._pending:
-            feats = torch.cat([f for f, _ in self._pending]).to(dev)
-            pos = torch.cat([p for _, p in self._pending]).to(dev)
-        else:
-            feats = torch.empty(0, self.drafter.fc.in_features, device=dev)
-            pos = torch.empty(0, dtype=torch.long, device=dev)
-        path, cand, q, self.cache = self.drafter.propose_block(feats, pos, int(tokens[-1]), len(tokens) - 1,
-                                                               self.cache, block_size=k + 1,
-                                                               temperature=temperature, generator=generator,
-                                                               probs=probs)
-        self._pending = []
-        return path, cand, q
-
-    @torch.no_grad()
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """The selector's greedy walk over ``k <= block_size - 1`` slots after the anchor ``tokens[-1]``."""
-        k = min(int(k), self.block_size - 1)
-        if k <= 0:
-            return []
-        path, _, _ = self._walk(tokens, k, 0.0, None)
-        return [int(t) for t in path.tolist()]
-
-    @torch.no_grad()
-    def propose_sample(self, tokens: list[int], k: int, params, generator) -> tuple[list[int], torch.Tensor]:
-        """Drafts sampled by the selector's walk and ``q [k, V]`` float32 on the CPU: each slot's ``params.probs``
-        of its K candidates' scores (temperature, then top-k, then top-p, as the target's side; given the drafts
-        before it), 0 elsewhere. The reference applies the temperature alone; filtering the same way as the target
-        keeps the draws where the target can accept them (lossless either way)."""
-        k = min(int(k), self.block_size - 1)
-        vocab = self.drafter.config.vocab_size
-        if k <= 0:
-            return [], torch.zeros(0, vocab)
-        if params.greedy:
-            drafts = self.propose(tokens, k)
-            return drafts, F.one_hot(torch.tensor(drafts, dtype=torch.long), vocab).float()
-        # the same temperature, top-k and top-p as the target's side, over the K candidates' scores
-        path, cand, q = self._walk(tokens, k, params.temperature, generator,
-                                   probs=lambda sc: params.probs(sc[None])[0])
-        full = torch.zeros(len(path), vocab, dtype=torch.float32)
-        full.scatter_add_(1, cand.cpu().long(), q.float().cpu())
-        return [int(t) for t in path.tolist()], full
 
 
 FAMILY = DFlash2Family()

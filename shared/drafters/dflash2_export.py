@@ -34,8 +34,7 @@ from typing import Any
 
 import torch
 
-from specring.shared import checkpoint as ckpt
-from specring.shared.devices import MODEL_DTYPES
+from specring.shared.drafters import checkpoint as ckpt
 from specring.shared.drafters import dflash_export
 from specring.shared.drafters.serving_format import (
     CONFIG_FILE,
@@ -45,6 +44,7 @@ from specring.shared.drafters.serving_format import (
     resolve_export_dtype,
     write_export_dir,
 )
+from specring.shared.machine.devices import MODEL_DTYPES
 from specring.shared.models.dflash2 import DFlash2Config, DFlash2Drafter
 
 logger = logging.getLogger(__name__)
@@ -125,8 +125,8 @@ def export_dflash2(checkpoint: str | Path, output_dir: str | Path, target_dir: s
     """Write the DFlash2 serving directory for ``checkpoint`` to ``output_dir`` (a temporary directory renamed
     into place). Raises ``FileNotFoundError``, ``FileExistsError`` (non-empty ``output_dir`` without
     ``overwrite``) and ``ValueError`` for every refusal of the module docstring. Returns ``output_dir``."""
-    from specring.shared.config import DEFAULT_TARGET
-    from specring.shared.hub import resolve_model_dir
+    from specring.shared.models.hub import resolve_model_dir
+    from specring.shared.paths import DEFAULT_TARGET
 
     step_dir = ckpt.resolve_checkpoint(checkpoint)
     if ckpt.is_export(step_dir):
@@ -172,7 +172,7 @@ def load_dflash2_export(export_dir: str | Path, device: str | torch.device = "cp
     """A ``DFlash2Drafter`` (eval mode) of an export: weights in the exported dtype (unless ``dtype``), the frozen
     head from ``target_dir`` (default: the target recorded in ``specring_export.json``). Raises ``ValueError`` for
     a config or tensor set that is not the format, or an unknown target."""
-    from specring.shared.checkpoint import read_json
+    from specring.shared.drafters.checkpoint import read_json
     export_dir = Path(export_dir)
     cfg = read_json(export_dir / CONFIG_FILE)  # CorruptFile (a ValueError) naming it when it is not JSON
     if ARCHITECTURE not in (cfg.get("architectures") or []):
@@ -186,7 +186,7 @@ def load_dflash2_export(export_dir: str | Path, device: str | torch.device = "cp
         if target_dir is None or not (Path(target_dir) / "config.json").is_file():
             raise ValueError(f"{export_dir}: the target it was exported for is not recorded in {PROVENANCE_FILE} or "
                              f"is gone ({target_dir}); pass the target")
-    from specring.shared.checkpoint import read_safetensors
+    from specring.shared.drafters.checkpoint import read_safetensors
     tensors = read_safetensors(export_dir / WEIGHTS_FILE)  # CorruptFile naming it when it does not read
     check_dflash2_tensors(set(tensors), dcfg.num_hidden_layers, f"{export_dir}/{WEIGHTS_FILE}")
     if dtype is None:

@@ -48,8 +48,7 @@ from typing import Any
 
 import torch
 
-from specring.shared import checkpoint as ckpt
-from specring.shared.devices import MODEL_DTYPES as DTYPES  # the dtypes an export may be written in
+from specring.shared.drafters import checkpoint as ckpt
 from specring.shared.drafters.dflash_hf_model import modeling_source
 from specring.shared.drafters.serving_format import (
     CONFIG_FILE,
@@ -59,6 +58,7 @@ from specring.shared.drafters.serving_format import (
     resolve_export_dtype,
     write_export_dir,
 )
+from specring.shared.machine.devices import MODEL_DTYPES as DTYPES  # the dtypes an export may be written in
 from specring.shared.models.building_blocks import read_target_head, rope_theta_from_config
 from specring.shared.models.dflash import (
     EMBED_KEY,
@@ -69,7 +69,7 @@ from specring.shared.models.dflash import (
 )
 from specring.shared.models.target_config import read_target_config
 from specring.shared.models.target_config import text_config as _text_config
-from specring.shared.run_dir import RunDir
+from specring.shared.run.run_dir import RunDir
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _target_config(target_dir: Path) -> tuple[dict, dict]:
 
 def _mask_token_string(target_dir: Path, mask_token_id: int, trust_remote_code: bool = False) -> str | None:
     try:
-        from specring.shared.hub import load_pretrained
+        from specring.shared.models.hub import load_pretrained
         tok = load_pretrained("tokenizer", target_dir, trust_remote_code=trust_remote_code)
         return str(tok.convert_ids_to_tokens(int(mask_token_id)))
     except Exception as e:  # a target without a tokenizer still exports (mask by id only)
@@ -223,19 +223,19 @@ def export_drafter(checkpoint: str | Path, output_dir: str | Path, target_dir: s
                    dtype: str = "auto", overwrite: bool = False, trust_remote_code: bool = False) -> Path:
     """Write the serving directory for ``checkpoint`` (step, checkpoints or run directory) to ``output_dir``.
 
-    ``target_dir``: the target, a directory or a hub id (``shared.hub.resolve_model_dir``; default: the run's,
+    ``target_dir``: the target, a directory or a hub id (``shared.models.hub.resolve_model_dir``; default: the run's,
     from ``run_dir/config.json``, else the fixture); ``trust_remote_code``: its tokenizer's own code may run;
     ``dtype``: ``auto`` (the target's ``dtype``, else bfloat16), ``bfloat16``, ``float16`` or ``float32``.
     The directory is written under a temporary name and renamed into place. Raises ``FileNotFoundError``
     (no checkpoint, no target), ``FileExistsError`` (a non-empty ``output_dir`` without ``overwrite``) and
     ``ValueError`` for every refusal listed in the module docstring. Returns ``output_dir``.
     """
-    from specring.shared.config import DEFAULT_TARGET
+    from specring.shared.paths import DEFAULT_TARGET
 
     step_dir = ckpt.resolve_checkpoint(checkpoint)
     if ckpt.is_export(step_dir):
         raise ValueError(f"--drafter: {step_dir} is an export already; export from a checkpoint or run directory")
-    from specring.shared.hub import resolve_model_dir
+    from specring.shared.models.hub import resolve_model_dir
     target = resolve_model_dir(target_dir or ckpt.target_of_checkpoint(step_dir) or DEFAULT_TARGET, "--target")
     out = check_output_dir(output_dir, overwrite)
     drafter, target_raw = _check_checkpoint(step_dir, target)
@@ -288,7 +288,7 @@ def load_exported_as_served(export_dir: str | Path, device: str | torch.device =
     """The drafter of an export as it is served: its weights in the exported dtype (``config.json``
     ``dtype``), the frozen head from the target in its ``specring_export.json``. Raises ``ValueError``
     when that target is not recorded or does not exist (then use ``load_exported`` with a target)."""
-    from specring.shared.checkpoint import read_json
+    from specring.shared.drafters.checkpoint import read_json
     export_dir = Path(export_dir)
     cfg = read_json(export_dir / CONFIG_FILE)  # CorruptFile (a ValueError) naming it when it is not JSON
     dtype = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
@@ -312,7 +312,7 @@ def load_exported(export_dir: str | Path, target_dir: str | Path, device: str | 
     file that does not read (empty, truncated, garbage) and ``ValueError`` naming missing/unexpected tensors or a
     ``num_target_layers`` that does not match the target.
     """
-    from specring.shared.checkpoint import read_json, read_safetensors
+    from specring.shared.drafters.checkpoint import read_json, read_safetensors
 
     export_dir, target_dir = Path(export_dir), Path(target_dir)
     cfg = read_json(export_dir / CONFIG_FILE)

@@ -3,7 +3,7 @@
 The model is ``shared/models/eagle3.py`` (``Eagle3Drafter``); its training-time-test loss is
 ``shared/drafters/eagle3_ttt.py``; its serving format (``LlamaForCausalLMEagle3``) ``shared/drafters/eagle3_export.py``.
 An EAGLE-3 run learns the target's distribution (``label_source=target``, top-``DEFAULT_EAGLE3_TOPK`` of it by
-default) over a draft vocabulary built from the run's data (``shared/draft_vocab.py``).
+default) over a draft vocabulary built from the run's data (``shared/drafters/draft_vocab.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from specring.shared.config import DEFAULT_EAGLE3_TOPK
+from specring.shared.config.run_config import DEFAULT_EAGLE3_TOPK
 from specring.shared.drafters.contract import COMMON_STATS, DrafterFamily, ObjectiveContext, StepStats
 from specring.shared.drafters.dflash_blocks import to_device
 from specring.shared.drafters.eagle3_ttt import eagle3_loss

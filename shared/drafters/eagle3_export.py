@@ -33,14 +33,14 @@ from typing import Any
 
 import torch
 
-from specring.shared import checkpoint as ckpt
+from specring.shared.drafters import checkpoint as ckpt
 from specring.shared.models.eagle3 import (
     DEFAULT_TTT_STEPS,
     Eagle3Config,
     Eagle3Drafter,
 )
 from specring.shared.models.layer_ids import default_eagle3_layer_ids
-from specring.shared.run_dir import RunDir
+from specring.shared.run.run_dir import RunDir
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 REQUIRED_CONFIG = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_attention_heads",
@@ -160,7 +160,7 @@ def load_eagle3_export(export_dir: str | Path, device: str | torch.device = "cpu
     target's). Raises ``shared.errors.CorruptFile`` (a ``ValueError``) naming a file that does not read, and
     ``ValueError`` when the export fails ``check_eagle3_export``, its shape is not the recorded
     target's, or that target is not recorded or gone."""
-    from specring.shared.checkpoint import read_json, read_safetensors
+    from specring.shared.drafters.checkpoint import read_json, read_safetensors
     from specring.shared.models.building_blocks import read_target_head
 
     export_dir = Path(export_dir)

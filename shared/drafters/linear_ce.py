@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specring.shared.config import FUSED_CE
+from specring.shared.config.run_config import FUSED_CE
 
 IGNORE = -100  # the label of a row that is not a prediction (F.cross_entropy's ignore_index)
 

@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from specring.shared.devices import MODEL_DTYPES
+from specring.shared.machine.devices import MODEL_DTYPES
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -33,12 +33,12 @@ def check_output_dir(output_dir: str | Path, overwrite: bool) -> Path:
 def resolve_export_dtype(dtype: str, step_dir: Path, target_dir: str | Path | None) -> str:
     """The dtype an export is written in: ``dtype`` itself, or for ``auto`` the target's (its ``config.json``
     ``dtype``/``torch_dtype``; the run's target unless ``target_dir``), else bfloat16. Raises ``ValueError`` naming
-    ``--dtype`` for a dtype that is not ``auto`` or one of ``shared.devices.MODEL_DTYPES``."""
+    ``--dtype`` for a dtype that is not ``auto`` or one of ``shared.machine.devices.MODEL_DTYPES``."""
     if dtype == "auto":
-        from specring.shared import checkpoint as ckpt
-        from specring.shared.config import DEFAULT_TARGET
-        from specring.shared.hub import resolve_model_dir
+        from specring.shared.drafters import checkpoint as ckpt
+        from specring.shared.models.hub import resolve_model_dir
         from specring.shared.models.target_config import read_target_config, text_config
+        from specring.shared.paths import DEFAULT_TARGET
 
         target = resolve_model_dir(target_dir or ckpt.target_of_checkpoint(step_dir) or DEFAULT_TARGET, "--target")
         raw = read_target_config(target)
@@ -53,8 +53,7 @@ def write_export_dir(out: Path, tensors: dict, texts: dict[str, str]) -> Path:
     """Write an export directory atomically: ``tensors`` into ``WEIGHTS_FILE`` (metadata ``format: pt``) and each
     ``name -> text`` of ``texts``, under a temporary name beside ``out``, every file and the directory given the
     usual modes, then renamed into place (an existing ``out`` replaced). Returns ``out``."""
-    from specring.shared import checkpoint as ckpt
-
+    from specring.shared.drafters import checkpoint as ckpt
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

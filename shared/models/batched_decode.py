@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from specring.shared.models.speculative import (
     DecodeResult,
+    DFlash2Proposer,
     DFlashProposer,
     Eagle3Proposer,
     SamplingParams,
@@ -574,7 +575,6 @@ def batched_proposer(proposer) -> BatchedProposer | None:
     """The batched form of a one-prompt proposer (a new object; the proposer is not changed), or None when it
     has none: ``DFlashProposer`` (DFlash), ``DFlash2Proposer``, ``Eagle3Proposer``, ``PromptLookupProposer``,
     by exact class (a subclass may change what a row sees)."""
-    from specring.shared.drafters.dflash2 import DFlash2Proposer
     from specring.shared.models.ngram import PromptLookupProposer
     if isinstance(proposer, BatchedProposer):
         return proposer

@@ -72,10 +72,10 @@ FROZEN_KEYS = (EMBED_KEY, HEAD_KEY)
 def resolve_mask_token_id(target_dir: str | Path, trust_remote_code: bool = False) -> int:
     """The default mask token: the tokenizer's mask token, else its pad token (the choice is logged).
 
-    The tokenizer is loaded through ``shared.hub.load_pretrained`` (``trust_remote_code``: the tokenizer's own
+    The tokenizer is loaded through ``shared.models.hub.load_pretrained`` (``trust_remote_code``: the tokenizer's own
     code may run). Raises ``ValueError`` when the tokenizer has neither (pass ``mask_token_id`` explicitly then).
     """
-    from specring.shared.hub import load_pretrained
+    from specring.shared.models.hub import load_pretrained
 
     tok = load_pretrained("tokenizer", target_dir, trust_remote_code=trust_remote_code)
     if getattr(tok, "mask_token_id", None) is not None:

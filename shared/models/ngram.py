@@ -26,7 +26,8 @@ class PromptLookupProposer:
     ``max_ngram >= min_ngram >= 1``; raises ``ValueError`` otherwise. Stateless: the whole sequence is
     passed to ``propose`` every time (a linear scan per n-gram size, fine for evaluation-length texts).
     ``vocab_size``: the width ``V`` of the target's logits, needed only by ``propose_sample`` (``q [n, V]``);
-    ``evaluate_tau`` fills it in from the target when it is None. Raises ``ValueError`` when it is not ``>= 1``.
+    ``shared.drafters.tau.evaluate_tau`` fills it in from the target when it is None. Raises ``ValueError`` when it
+    is not ``>= 1``.
     """
 
     name = "prompt-lookup"

@@ -20,7 +20,8 @@ copied. One sequence at a time:
    ``rollback_forwards``). The verify forward's features of the anchor and the accepted tokens (rows
    ``0..produced-1``) become new drafter context; the last produced token is the next anchor. The drafter's
    cache holds verified context only (``DraftCache``), so it never needs a rollback. ``launch.py eval``, τ
-   during training (``evaluate_tau``), the EAGLE-3 chain and every other proposer decode through this one loop.
+   during training (``shared.drafters.tau.evaluate_tau``), the EAGLE-3 chain and every other proposer decode
+   through this one loop.
 
 Every emitted token is a target greedy choice given a prefix of target greedy choices, so the output
 equals plain greedy decoding token for token (``greedy_generate``; a test asserts it).
@@ -72,16 +73,17 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from specring.shared.models.dflash import (
     DFlashDrafter,
     DraftCache,
 )
+from specring.shared.models.dflash2 import DFlash2Drafter
 from specring.shared.models.eagle3 import Eagle3Drafter
 
 logger = logging.getLogger(__name__)
@@ -286,6 +288,77 @@ class DFlashProposer(FeatureProposer):
             for row in self._block_logits(tokens, k):
                 pick(row)
         return pick.tokens, pick.q()
+
+
+class DFlash2Proposer:
+    """Proposer over a ``DFlash2Drafter`` (the interface of ``shared.models.speculative``): the block's unary
+    logits and hidden states, then the candidate selector's walk from the anchor. ``block_size`` (default: the
+    drafter's) bounds the drafts per step to ``block_size - 1``."""
+
+    needs_features = True
+
+    def __init__(self, drafter: DFlash2Drafter, block_size: int | None = None, name: str = "dflash2"):
+        self.drafter = drafter
+        self.block_size = int(block_size or drafter.config.block_size)
+        self.name = name
+        self.cache = None
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Forget the previous prompt's cache and queued context."""
+        self.cache = None
+        self._pending = []
+
+    def add_context(self, features: torch.Tensor | None, positions: torch.Tensor) -> None:
+        """Queue verified context ``features [C, n*H]`` at ``positions [C]``; ``ValueError`` for None."""
+        if features is None:
+            raise ValueError("DFlash2Proposer.add_context: the drafter needs target features (got None)")
+        self._pending.append((features, positions))
+
+    def _walk(self, tokens: list[int], k: int, temperature: float, generator, probs=None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        dev = self.drafter.fc.weight.device
+        if self._pending:
+            feats = torch.cat([f for f, _ in self._pending]).to(dev)
+            pos = torch.cat([p for _, p in self._pending]).to(dev)
+        else:
+            feats = torch.empty(0, self.drafter.fc.in_features, device=dev)
+            pos = torch.empty(0, dtype=torch.long, device=dev)
+        path, cand, q, self.cache = self.drafter.propose_block(feats, pos, int(tokens[-1]), len(tokens) - 1,
+                                                               self.cache, block_size=k + 1,
+                                                               temperature=temperature, generator=generator,
+                                                               probs=probs)
+        self._pending = []
+        return path, cand, q
+
+    @torch.no_grad()
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """The selector's greedy walk over ``k <= block_size - 1`` slots after the anchor ``tokens[-1]``."""
+        k = min(int(k), self.block_size - 1)
+        if k <= 0:
+            return []
+        path, _, _ = self._walk(tokens, k, 0.0, None)
+        return [int(t) for t in path.tolist()]
+
+    @torch.no_grad()
+    def propose_sample(self, tokens: list[int], k: int, params, generator) -> tuple[list[int], torch.Tensor]:
+        """Drafts sampled by the selector's walk and ``q [k, V]`` float32 on the CPU: each slot's ``params.probs``
+        of its K candidates' scores (temperature, then top-k, then top-p, as the target's side; given the drafts
+        before it), 0 elsewhere. The reference applies the temperature alone; filtering the same way as the target
+        keeps the draws where the target can accept them (lossless either way)."""
+        k = min(int(k), self.block_size - 1)
+        vocab = self.drafter.config.vocab_size
+        if k <= 0:
+            return [], torch.zeros(0, vocab)
+        if params.greedy:
+            drafts = self.propose(tokens, k)
+            return drafts, F.one_hot(torch.tensor(drafts, dtype=torch.long), vocab).float()
+        # the same temperature, top-k and top-p as the target's side, over the K candidates' scores
+        path, cand, q = self._walk(tokens, k, params.temperature, generator,
+                                   probs=lambda sc: params.probs(sc[None])[0])
+        full = torch.zeros(len(path), vocab, dtype=torch.float32)
+        full.scatter_add_(1, cand.cpu().long(), q.float().cpu())
+        return [int(t) for t in path.tolist()], full
 
 
 class Eagle3Proposer(FeatureProposer):
@@ -878,84 +951,6 @@ def summarize(results: list[DecodeResult], block_size: int) -> dict[str, Any]:
     }
 
 
-@torch.no_grad()
-def evaluate_tau(target_model, drafter, prompts: list[list[int]], max_new_tokens: int,
-                 layer_ids: Sequence[int] | None, *, block_size: int | None = None,
-                 stop_token_ids: Sequence[int] = (), check_lossless: bool = False,
-                 on_prompt: Callable[[int, int], None] | None = None, sampling: SamplingParams | None = None,
-                 seed: int = 0, batch_size: int = 1) -> dict[str, Any]:
-    """τ of ``drafter`` on ``prompts`` against an already-loaded target (for the trainer's checkpoints).
-
-    ``target_model``: HF ``AutoModelForCausalLM`` in eval mode; ``drafter``: a live drafter of any family (put in
-    eval mode for the call, its mode restored after; it decodes through its family's proposer,
-    ``DrafterFamily.proposer``: DFlash blocks, DFlash2's selector walk, EAGLE-3 chains of ``block_size - 1``
-    tokens, by default ``ttt_steps``) or any proposer (e.g.
-    ``PromptLookupProposer()``); ``layer_ids``: the target layers the drafter was trained on (must equal
-    ``drafter.config.target_layer_ids``: ``ValueError`` otherwise). ``block_size`` defaults to the
-    drafter's (16 for a proposer). With ``check_lossless`` also decodes greedily and adds
-    ``lossless_mismatches`` (prompts whose outputs differ; must be 0) and ``greedy_tokens_per_s``.
-    ``on_prompt(done, total)`` is called after each prompt (the consumer sends a heartbeat from it).
-
-    ``sampling`` (None: greedy) at temperature > 0 decodes by speculative sampling, every draw from one CPU
-    generator seeded with ``seed`` for the whole call; a ``PromptLookupProposer`` without ``vocab_size`` is
-    then used as a copy sized to the target's logits. Token equality with greedy decoding does not apply
-    there: with ``check_lossless`` the greedy decode still runs (``greedy_tokens_per_s``) and
-    ``lossless_mismatches`` is None. Returns ``summarize``'s dict, plus, when sampled, ``sampling`` (the
-    parameters, ``SamplingParams.to_dict``) and ``sampling_seed``.
-
-    ``batch_size`` > 1 decodes that many prompts together (``shared.models.batched_decode.decode_prompts``: the
-    same tokens and acceptance lengths, ``on_prompt`` called after each group), or one at a time where batching
-    does not apply (sampling, a hybrid target); the result then also has ``batched``, ``batch_size``,
-    ``batched_reason`` and ``batch_forwards``. Raises ``ValueError`` for ``batch_size < 1``.
-    """
-    from specring.shared.models.batched_decode import decode_prompts
-    if isinstance(drafter, torch.nn.Module):  # a drafter: its family's proposer (shared.drafters)
-        from specring.shared.drafters import family_of
-        if layer_ids is not None and list(layer_ids) != list(drafter.config.target_layer_ids):
-            raise ValueError(f"layer_ids: {list(layer_ids)} differ from the drafter's target_layer_ids "
-                             f"{drafter.config.target_layer_ids}")
-        layer_ids = drafter.config.target_layer_ids
-        family = family_of(drafter)
-        bsz = family.verify_block_size(drafter, block_size)
-        proposer = family.proposer(drafter, block_size=bsz)
-    else:
-        proposer, bsz = drafter, int(block_size or 16)
-    sampled = sampling is not None and not sampling.greedy
-    if sampled:
-        proposer = with_vocab_size(proposer, target_vocab_size(target_model))
-    generator = torch.Generator().manual_seed(int(seed)) if sampled else None
-    was_training = getattr(drafter, "training", False)
-    if isinstance(drafter, torch.nn.Module):
-        drafter.eval()
-    try:
-        done = [0]
-
-        def finished(n: int) -> None:
-            done[0] += n
-            if on_prompt is not None:
-                on_prompt(done[0], len(prompts))
-
-        results, info = decode_prompts(target_model, proposer, prompts, max_new_tokens, bsz, layer_ids,
-                                       stop_token_ids, batch_size=batch_size,
-                                       sampling=sampling if sampled else None, generator=generator, on_done=finished)
-        out = summarize(results, bsz)
-        if int(batch_size) > 1:
-            out.update(info)
-        if sampled:
-            out["sampling"] = sampling.to_dict()
-            out["sampling_seed"] = int(seed)
-        if check_lossless:
-            ref, _ = decode_prompts(target_model, None, prompts, max_new_tokens, bsz, None, stop_token_ids,
-                                    batch_size=1 if sampled else batch_size)
-            out["lossless_mismatches"] = (None if sampled else
-                                          sum(r.tokens != g.tokens for r, g in zip(results, ref)))
-            out["greedy_tokens_per_s"] = summarize(ref, bsz)["tokens_per_s"]
-    finally:
-        if isinstance(drafter, torch.nn.Module):
-            drafter.train(was_training)
-    return out
-
-
 def target_vocab_size(target) -> int:
     """The width ``V`` of the target's logits: its output embedding's rows (``config.vocab_size`` when it
     has none)."""
@@ -973,28 +968,6 @@ def with_vocab_size(proposer, vocab_size: int):
         proposer = copy.copy(proposer)
         proposer.vocab_size = int(vocab_size)
     return proposer
-
-
-def load_prompts(path: str | Path, num_prompts: int, prompt_len: int) -> list[list[int]]:
-    """The first ``prompt_len`` tokens of ``num_prompts`` held-out samples, spread evenly over the file.
-
-    Only samples with more than ``prompt_len`` tokens are used (a continuation exists). Raises
-    ``ValueError`` naming the file when none is long enough; logs when fewer than asked are available.
-    """
-    from specring.shared.data.dataset import TokenDataset
-
-    if num_prompts < 1 or prompt_len < 1:
-        raise ValueError(f"num_prompts and prompt_len must be >= 1, got {num_prompts} and {prompt_len}")
-    ds = TokenDataset(path)
-    eligible = np.nonzero(ds.lengths > prompt_len)[0]
-    if eligible.size == 0:
-        raise ValueError(f"{path}: no sample is longer than --prompt-len {prompt_len}")
-    if eligible.size < num_prompts:
-        logger.warning("only %d samples of %s are longer than %d tokens (asked for %d prompts)",
-                       eligible.size, path, prompt_len, num_prompts)
-    n = min(num_prompts, int(eligible.size))
-    picks = [int(eligible[(i * eligible.size) // n]) for i in range(n)]
-    return [ds[i][0][:prompt_len].astype(np.int64).tolist() for i in picks]
 
 
 def check_same_head(drafter: torch.nn.Module, target) -> None:

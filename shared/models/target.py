@@ -13,12 +13,12 @@ no logits over the sequence). With ``stop_after_last=True`` the hook of the deep
 ``StopForward`` so the layers above it are not computed at all (the early-exit trick of baukit's
 ``Trace(stop=True)``, davidbau/baukit ``baukit/nethook.py``).
 
-A target may be split over a device group (``--producers cuda:0+cuda:1``, ``shared.devices.resolve_device_group``):
-``layer_device_map`` spreads the decoder layers evenly over the group (the embedding and everything before the
-layers on the first device, the final norm and an untied LM head on the last) and ``load_target`` hands that
-explicit map to transformers' own placement (``from_pretrained(device_map=...)``, which dispatches with
-accelerate's hooks when the map names more than one device). Captured outputs live on their layer's device;
-``LayerCapture`` selects the real tokens there and the producer gathers them on the group's first device.
+A target may be split over a device group (``--producers cuda:0+cuda:1``,
+``shared.machine.devices.resolve_device_group``): ``layer_device_map`` spreads the decoder layers evenly over the group
+(the embedding and everything before the layers on the first device, the final norm and an untied LM head on the last)
+and ``load_target`` hands that explicit map to transformers' own placement (``from_pretrained(device_map=...)``, which
+dispatches with accelerate's hooks when the map names more than one device). Captured outputs live on their layer's
+device; ``LayerCapture`` selects the real tokens there and the producer gathers them on the group's first device.
 
 Errors: every start-up problem (bad layer ids, a missing or non-causal-LM checkpoint, a device that does
 not exist) raises ``shared.errors.ConfigError`` with a message that names the id, path or device.
@@ -33,9 +33,9 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from specring.shared.devices import resolve_device_group, resolve_dtype
 from specring.shared.errors import ConfigError
-from specring.shared.hub import load_pretrained
+from specring.shared.machine.devices import resolve_device_group, resolve_dtype
+from specring.shared.models.hub import load_pretrained
 from specring.shared.models.layer_ids import resolve_layer_ids
 from specring.shared.models.target_config import read_target_config
 
@@ -148,14 +148,14 @@ def load_target(path: str | Path, device: str | torch.device, dtype: str | torch
     ``model`` is an ``AutoModelForCausalLM`` in eval mode with gradients off, on ``device`` in ``dtype``
     (``"auto"``: bfloat16 on CUDA, float32 on CPU), loaded from safetensors only, never from the network.
 
-    ``device`` may be a device group (``"cuda:0+cuda:1"``, ``"cpu+cpu"``; ``shared.devices.resolve_device_group``):
-    the model is then split over it by ``layer_device_map``, given to ``from_pretrained`` as its ``device_map``
-    (``model.hf_device_map`` records it, and every module is checked to sit where the map says). Over more than
-    one distinct device transformers dispatches the model with accelerate's hooks, which move activations from
-    one layer's device to the next.
+    ``device`` may be a device group (``"cuda:0+cuda:1"``, ``"cpu+cpu"``;
+    ``shared.machine.devices.resolve_device_group``): the model is then split over it by ``layer_device_map``, given to
+    ``from_pretrained`` as its ``device_map`` (``model.hf_device_map`` records it, and every module is checked to sit
+    where the map says). Over more than one distinct device transformers dispatches the model with accelerate's hooks,
+    which move activations from one layer's device to the next.
 
     ``trust_remote_code``: transformers may run the modelling code the directory ships (``--trust-remote-code``;
-    every load goes through ``shared.hub.load_pretrained``).
+    every load goes through ``shared.models.hub.load_pretrained``).
 
     ``random_weights=True`` (benchmarks of large shapes without their weights): the model is built from
     ``config.json`` with random weights directly on ``device``, then every tensor the checkpoint does hold

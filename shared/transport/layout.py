@@ -8,7 +8,7 @@ byte offset: ``[[name, dtype, [d0, d1, ...], offset], ...]`` (plain lists and st
 ``write_tensors`` copies tensors into the buffer (the one copy a payload costs); ``read_tensors`` returns
 views on the buffer (no copy), so a reader that keeps them must copy before the slot is released.
 
-Supported dtypes: every dtype in ``shared.devices.DTYPES`` (bool, the integer types, float16/32/64, bfloat16,
+Supported dtypes: every dtype in ``shared.machine.devices.DTYPES`` (bool, the integer types, float16/32/64, bfloat16,
 complex64/128). Shapes of any rank, zero-sized dimensions included.
 
 Which tensors a producer's slot holds (names, dtypes, shapes, write order) is declared once, by
@@ -21,8 +21,8 @@ from typing import Mapping
 
 import torch
 
-from specring.shared.devices import DTYPE_NAMES, DTYPES
 from specring.shared.errors import MessageError, PayloadTooLarge
+from specring.shared.machine.devices import DTYPE_NAMES, DTYPES
 
 ALIGN = 64
 

@@ -127,8 +127,8 @@ class Heartbeat:
     """Any child → coordinator, every ``heartbeat_interval_s``; ``stats`` is a flat map of numbers/strings.
 
     Its keys are declared in ``shared.transport.stats`` (``ChildStats.to_wire`` writes it, ``parse_stats`` reads
-    it): every child sends ``work``/``work_s`` (``shared.procs``) and the balance figures ``busy_s``,
-    ``window_s``, ``idle_tail_s`` (``shared.balance``); the role adds its own (``ProducerStats``,
+    it): every child sends ``work``/``work_s`` (``shared.process.procs``) and the balance figures ``busy_s``,
+    ``window_s``, ``idle_tail_s`` (``shared.process.balance``); the role adds its own (``ProducerStats``,
     ``ConsumerStats``: ``tokens_per_s``, ``tokens``, ...). New keys need no new schema version: a reader ignores
     keys it does not know and treats a missing key as "not reported"."""
     KIND: ClassVar[str] = "heartbeat"

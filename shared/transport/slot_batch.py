@@ -20,8 +20,8 @@ from typing import Callable, ClassVar, Mapping
 
 import torch
 
-from specring.shared.devices import DTYPE_NAMES
 from specring.shared.errors import MessageError
+from specring.shared.machine.devices import DTYPE_NAMES
 
 Tensor = torch.Tensor
 

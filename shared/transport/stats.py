@@ -1,8 +1,8 @@
 """Heartbeat statistics: the typed figures a child sends in ``Heartbeat.stats``, one dataclass per role.
 
-``ChildStats`` holds the figures every child sends (``shared.procs.ChildContext`` adds them to each heartbeat):
+``ChildStats`` holds the figures every child sends (``shared.process.procs.ChildContext`` adds them to each heartbeat):
 what the main thread is doing and for how long (``work``, ``work_s``) and the balance figures (``busy_s``,
-``window_s``, ``idle_tail_s``; ``shared.balance``). ``ProducerStats`` and ``ConsumerStats`` add each role's own
+``window_s``, ``idle_tail_s``; ``shared.process.balance``). ``ProducerStats`` and ``ConsumerStats`` add each role's own
 (``producers.main``, ``consumer.main``). Every field is optional: None means "not reported".
 
 On the wire the figures stay a flat msgpack map inside ``Heartbeat`` (``shared.transport.messages``), so readers
@@ -28,7 +28,7 @@ class ChildStats:
     * ``work`` str: what the main thread is doing (``"batch 17"``; ``""`` idle); ``work_s`` float: for how long,
       seconds (idle: since its loop last turned);
     * ``busy_s`` float: seconds busy since the first piece of work; ``window_s`` float: seconds since its start;
-      ``idle_tail_s`` float: seconds idle since the last piece of work ended (``shared.balance.DutyClock``).
+      ``idle_tail_s`` float: seconds idle since the last piece of work ended (``shared.process.balance.DutyClock``).
     """
 
     #: the fields of this class, which every child sends (after its role's own on the wire)

@@ -148,11 +148,11 @@ def process_alive(pid: int) -> bool:
 
 
 def assert_records_read_back(run_dir: Path) -> None:
-    """Every record the run wrote reads back through ``shared.run_dir.RunDir`` as its typed record and writes
-    again byte for byte (``shared.run_records``): ``config.json``, ``topology.json``, ``status.json``,
+    """Every record the run wrote reads back through ``shared.run.run_dir.RunDir`` as its typed record and writes
+    again byte for byte (``shared.run.run_records``): ``config.json``, ``topology.json``, ``status.json``,
     ``summary.json`` and each line of ``metrics.jsonl`` and ``eval.jsonl``."""
-    from specring.shared.run_dir import RunDir
-    from specring.shared.run_records import EvalRecord, MetricsRecord, StatusFile, Summary, Topology
+    from specring.shared.run.run_dir import RunDir
+    from specring.shared.run.run_records import EvalRecord, MetricsRecord, StatusFile, Summary, Topology
 
     run = RunDir(run_dir)
     assert json.dumps(run.read_config().to_dict(), indent=1) == run.config_file.read_text()

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from specring.cli.eval import main as eval_main
 from specring.cli.export import main as export_main
-from specring.shared import checkpoint as ckpt
+from specring.shared.drafters import checkpoint as ckpt
 from specring.shared.drafters import load_export
 from specring.shared.drafters.dflash2_export import reference_weight_names
 from specring.shared.models.dflash2 import DFlash2Drafter

@@ -24,7 +24,7 @@ from specring.cli.export import main as export_main
 from specring.cli.ops import status_main
 from specring.cli.train import train_main
 from specring.shared.data.dataset import TokenDataset
-from specring.shared.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
+from specring.shared.drafters.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab
 from specring.shared.drafters.eagle3_export import check_eagle3_export
 from specring.shared.models.eagle3 import draft_to_target
 from specring.shared.models.layer_ids import default_eagle3_layer_ids

@@ -18,7 +18,7 @@ import torch
 
 from specring.cli.eval import main as eval_main
 from specring.cli.export import main as export_main
-from specring.shared import checkpoint as ckpt
+from specring.shared.drafters import checkpoint as ckpt
 from specring.shared.drafters import load_export
 from tests.support import write_tiny_target
 from tests.system.launcher_util import run_launcher, small_flags, summary

@@ -164,7 +164,7 @@ def test_processes_a_child_started_do_not_outlive_its_restart_or_the_run(dataset
 
 ORPHANS_SCRIPT = """
 import json, os, subprocess, sys, time
-from specring.shared.procs import RUN_ID_ENV, become_subreaper, kill_orphans
+from specring.shared.process.procs import RUN_ID_ENV, become_subreaper, kill_orphans
 assert become_subreaper()
 env = dict(os.environ, **{RUN_ID_ENV: "run1"})
 other = {k: v for k, v in os.environ.items() if k != RUN_ID_ENV}

@@ -2,7 +2,7 @@
 
 The test plays a minimal coordinator: it binds the ROUTER, writes ``config.json`` and ``topology.json``
 into a temporary run directory, creates the ring, starts ``python -m producers.main`` with
-``shared.procs.spawn_child``, sends leases and reads the slots the child published, in this process.
+``shared.process.procs.spawn_child``, sends leases and reads the slots the child published, in this process.
 
 Every test has a timeout, terminates its child and unlinks its segment in ``finally``, and fails if the
 segment is left in /dev/shm.
@@ -23,8 +23,7 @@ import pytest
 import torch
 import zmq
 
-from specring.shared import procs
-from specring.shared.config import (
+from specring.shared.config.run_config import (
     DEFAULT_TARGET,
     DataConfig,
     MonitorConfig,
@@ -34,7 +33,8 @@ from specring.shared.config import (
 )
 from specring.shared.data.dataset import TokenDataset
 from specring.shared.models.target import load_target
-from specring.shared.run_dir import RunDir
+from specring.shared.process import procs
+from specring.shared.run.run_dir import RunDir
 from specring.shared.transport import channel, layout, messages, ring
 from specring.shared.transport.ring import EMPTY, Ring
 

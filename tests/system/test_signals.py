@@ -4,7 +4,7 @@ A launcher whose terminal closes (the launcher is the session leader of a pseudo
 job is, and the terminal's master side is closed: the kernel sends SIGHUP, and from then on every write to the
 terminal fails with EIO) stops as on SIGINT: the consumer writes its checkpoint, ``summary.json`` says
 ``interrupted`` with nothing trained after the last checkpoint, the rings and ``coord.sock`` are gone, exit 130.
-Every other signal of ``shared.procs.STOP_SIGNALS`` takes the same path (``tests/unit/test_stop_signals.py``).
+Every other signal of ``shared.process.procs.STOP_SIGNALS`` takes the same path (``tests/unit/test_stop_signals.py``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from specring.consumer.trainer import Trainer
-from specring.shared.config import TrainerConfig
+from specring.shared.config.run_config import TrainerConfig
 from specring.shared.models.dflash import DFlashConfig
 from tests.support import REPO, TARGET, cat_batches, make_batch_in_process
 
@@ -28,7 +28,7 @@ WORKER = textwrap.dedent('''
     rank, world, work = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     from specring.shared.models.dflash import DFlashConfig
     from specring.consumer.trainer import Trainer
-    from specring.shared.config import TrainerConfig
+    from specring.shared.config.run_config import TrainerConfig
     spec = json.load(open(os.path.join(work, "spec.json")))
     batches = torch.load(os.path.join(work, "batches.pt"))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -1,4 +1,4 @@
-"""Unit tests of shared/balance.py: the busy clock of a child, the supervisor's per-process figures, and the
+"""Unit tests of shared/process/balance.py: the busy clock of a child, the supervisor's per-process figures, and the
 producer:consumer advice of ``launch.py train --plan`` from rates recorded in a run directory's summary.json."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from specring.shared.balance import (
+from specring.shared.config.run_config import RunConfig
+from specring.shared.process.balance import (
     DutyClock,
     ProcessBalance,
     advise,
@@ -17,7 +18,6 @@ from specring.shared.balance import (
     rate_shape,
     run_balance,
 )
-from specring.shared.config import RunConfig
 from specring.shared.transport import messages as m
 
 

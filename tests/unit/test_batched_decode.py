@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from specring.shared.drafters import get_family
+from specring.shared.drafters.tau import evaluate_tau
 from specring.shared.models.batched_decode import (
     BatchedTargetCache,
     batch_support,
@@ -24,7 +25,7 @@ from specring.shared.models.dflash import DFlashConfig
 from specring.shared.models.dflash2 import DFlash2Config, DFlash2Drafter
 from specring.shared.models.eagle3 import Eagle3Config, build_draft_vocab
 from specring.shared.models.ngram import PromptLookupProposer
-from specring.shared.models.speculative import SamplingParams, evaluate_tau, greedy_generate, speculative_generate
+from specring.shared.models.speculative import SamplingParams, greedy_generate, speculative_generate
 from specring.shared.models.target import load_target
 from tests.support import TARGET, NoDraftProposer, stdlib_prompts
 

@@ -17,6 +17,7 @@ import random
 import pytest
 import torch
 
+from specring.shared.drafters.tau import evaluate_tau
 from specring.shared.models import speculative as spec
 from specring.shared.models.dflash import DFlashConfig, DFlashDrafter
 from specring.shared.models.eagle3 import Eagle3Config, Eagle3Drafter, build_draft_vocab, draft_to_target
@@ -25,7 +26,6 @@ from specring.shared.models.speculative import (
     DFlashProposer,
     Eagle3Proposer,
     TargetCache,
-    evaluate_tau,
     greedy_generate,
     restore_cache,
     snapshot_cache,

@@ -6,7 +6,7 @@ import torch
 
 from specring.consumer.tau import CheckpointEvaluator
 from specring.consumer.trainer import drafter_config_from_run
-from specring.shared.config import DataConfig, ProducerConfig, RunConfig, TrainerConfig
+from specring.shared.config.run_config import DataConfig, ProducerConfig, RunConfig, TrainerConfig
 from specring.shared.models.dflash import build_drafter
 from tests.support import TARGET, make_dataset
 

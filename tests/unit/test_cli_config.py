@@ -66,8 +66,8 @@ def test_bad_config_files_name_the_key_or_field(tmp_path, text, needle):
 def test_run_dir_default_is_a_new_stamped_dir_and_resume_defaults_to_latest(tmp_path, monkeypatch):
     """No --run-dir: a fresh run gets runs/<UTC time>; runs/latest moves only when point_latest is called
     (after the start-up checks); --resume without --run-dir resolves to what runs/latest points at."""
-    from specring.shared.config import RunConfig
-    from specring.shared.run_dir import RunDir
+    from specring.shared.config.run_config import RunConfig
+    from specring.shared.run.run_dir import RunDir
     from specring.supervisor import resume
 
     monkeypatch.chdir(tmp_path)  # runs go under the current directory
@@ -89,7 +89,7 @@ def test_fresh_start_or_resume_without_checkpoint_clears_the_earlier_records(tmp
     """A run directory whose earlier start saved no checkpoint (only a half-written one): checking it
     changes nothing; claiming it (after every start-up check passed) removes its void records and the
     half-written checkpoint."""
-    from specring.shared.config import RunConfig
+    from specring.shared.config.run_config import RunConfig
     from specring.supervisor import resume
 
     run_dir = tmp_path / "r"
@@ -109,8 +109,8 @@ def test_fresh_start_or_resume_without_checkpoint_clears_the_earlier_records(tmp
 
 
 def test_run_dir_is_held_by_one_launcher_and_a_broken_latest_pointer_is_named(tmp_path):
-    from specring.shared.checkpoint import WEIGHTS_FILE
-    from specring.shared.config import RunConfig
+    from specring.shared.config.run_config import RunConfig
+    from specring.shared.drafters.checkpoint import WEIGHTS_FILE
     from specring.supervisor import resume
 
     cfg = RunConfig()
@@ -148,7 +148,7 @@ import dataclasses  # noqa: E402
 import json  # noqa: E402
 import re  # noqa: E402
 
-from specring.shared import config as C  # noqa: E402
+from specring.shared.config import run_config as C  # noqa: E402
 
 # Every flag `launch.py train` had before the flags were derived from the declaration, with a value and the
 # field it sets: they must keep working.

@@ -1,6 +1,6 @@
 """The flags of eval, export, regenerate and prepare are derived from their declarations (issue 26):
-``shared.command_config`` declares each command's options once (an option several commands take, once for all of
-them), and ``cli.flags.command_parser`` builds every parser from it; a bad value names the flag."""
+``shared.commands.command_config`` declares each command's options once (an option several commands take, once for all
+of them), and ``cli.flags.command_parser`` builds every parser from it; a bad value names the flag."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import typing
 import pytest
 
 from specring.cli.flags import command_config, command_parser
-from specring.shared import command_config as cc
-from specring.shared.config import MAX_SEED, num, option_specs, setting
+from specring.shared.commands import command_config as cc
+from specring.shared.config.run_config import MAX_SEED, num, option_specs, setting
 from specring.shared.errors import ConfigError
 
 MODULES = {"eval": "specring.cli.eval", "export": "specring.cli.export", "regenerate": "specring.cli.regenerate",
@@ -215,7 +215,7 @@ def test_the_derivation_takes_any_declared_class():
         quiet: bool = setting(False, switch=True, help="say nothing")
 
         def __post_init__(self):
-            from specring.shared.config import check_fields
+            from specring.shared.config.run_config import check_fields
             check_fields(self)
 
     ap = command_parser(Toy, "toy", "a toy", "examples:\n  toy --name x")

@@ -22,7 +22,7 @@ from specring.cli.export import main as export_main
 from specring.cli.flags import build_parser, config_from_args
 from specring.cli.prepare import main as prepare_main
 from specring.cli.train import train_main
-from specring.shared import checkpoint as ckpt
+from specring.shared.drafters import checkpoint as ckpt
 from specring.shared.drafters.dflash_export import export_drafter
 from specring.shared.errors import ConfigError, CorruptFile
 from specring.shared.models.dflash import DFlashConfig, build_drafter
@@ -138,7 +138,7 @@ def test_a_prepare_input_that_is_not_parquet_is_named_before_anything_is_written
 
 
 def test_a_swapped_eagle3_draft_vocabulary_is_refused_in_the_plan(tmp_path, capsys):
-    from specring.shared.draft_vocab import DRAFT_VOCAB_FILE, write_draft_vocab
+    from specring.shared.drafters.draft_vocab import DRAFT_VOCAB_FILE, write_draft_vocab
     from specring.shared.models.eagle3 import build_draft_vocab
 
     data = make_dataset(tmp_path / "d.arrow", num_samples=16)
@@ -155,7 +155,7 @@ def test_a_swapped_eagle3_draft_vocabulary_is_refused_in_the_plan(tmp_path, caps
     assert train_main(["--run-dir", str(run), "--resume", "--plan"]) == 0, capsys.readouterr().err
     capsys.readouterr()
     other_d2t, other_t2d = build_draft_vocab(torch.arange(8192), 64)   # another run's: the 64 highest ids
-    from specring.shared.checkpoint import save_tensors
+    from specring.shared.drafters.checkpoint import save_tensors
     save_tensors({"d2t": other_d2t, "t2d": other_t2d}, run / DRAFT_VOCAB_FILE, metadata={"format": "pt"})
     assert train_main(["--run-dir", str(run), "--resume", "--plan"]) == 2
     err = capsys.readouterr().err
@@ -164,7 +164,7 @@ def test_a_swapped_eagle3_draft_vocabulary_is_refused_in_the_plan(tmp_path, caps
 
 
 def test_an_offline_hub_id_at_an_uncached_revision_names_the_revision(tmp_path, monkeypatch):
-    from specring.shared.hub import resolve_model_dir
+    from specring.shared.models.hub import resolve_model_dir
     from tests.unit.test_hub import fill_cache
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))

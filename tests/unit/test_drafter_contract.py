@@ -104,7 +104,7 @@ def test_the_selector_loss_is_the_k_way_cross_entropy_of_the_scores_by_hand():
     gold previous token (the anchor for slot 1) as predecessor, CE over the K scores, weighted like the slot."""
     from types import SimpleNamespace
 
-    from specring.shared.config import TrainerConfig
+    from specring.shared.config.run_config import TrainerConfig
     from specring.shared.drafters.contract import ObjectiveContext
 
     torch.manual_seed(0)
@@ -144,7 +144,7 @@ def test_the_selector_loss_is_the_k_way_cross_entropy_of_the_scores_by_hand():
 def test_with_dpace_the_selector_is_weighted_like_the_slot_cross_entropy():
     """DFlash2 + D-PACE: the selector loss uses each slot's D-PACE weight, not the decay (a mixed normaliser
     over-weighted it), so an untrained DFlash2 reports DFlash's loss under D-PACE too."""
-    from specring.shared.config import TrainerConfig
+    from specring.shared.config.run_config import TrainerConfig
     from specring.shared.drafters.contract import ObjectiveContext
 
     torch.manual_seed(0)

@@ -189,8 +189,8 @@ def test_the_trainer_trains_checkpoints_and_resumes_an_eagle3_drafter_exactly(tm
     from transformers import AutoModelForCausalLM
 
     from specring.consumer.trainer import Trainer, check_batch
-    from specring.shared import checkpoint as ckpt
-    from specring.shared.config import TrainerConfig
+    from specring.shared.config.run_config import TrainerConfig
+    from specring.shared.drafters import checkpoint as ckpt
     from specring.shared.models.target import LayerCapture
     target = AutoModelForCausalLM.from_pretrained(str(TARGET), dtype=torch.float32).eval()
     dcfg = Eagle3Config.from_target(TARGET, draft_vocab_size=2000, ttt_steps=3)
@@ -251,7 +251,7 @@ def test_export_has_the_engines_names_shapes_and_config_and_bad_ones_are_refused
 
     from safetensors import safe_open
 
-    from specring.shared import checkpoint as ckpt
+    from specring.shared.drafters import checkpoint as ckpt
     from specring.shared.drafters.eagle3_export import check_eagle3_export, export_eagle3
     cfg = Eagle3Config.from_target(TARGET, draft_vocab_size=3000, ttt_steps=2)
     d2t, t2d = build_draft_vocab(torch.arange(8192) % 97, 3000)

@@ -148,7 +148,7 @@ class ReferenceFamily(Eagle3Family):
 def test_trainer_steps_equal_those_of_the_reference_family(tmp_path):
     """Through ``Trainer.step`` (the family objective, the optimizer): three steps, the same metrics and weights."""
     from specring.consumer.trainer import Trainer
-    from specring.shared.config import TrainerConfig
+    from specring.shared.config.run_config import TrainerConfig
 
     dcfg = Eagle3Config.from_target(TARGET, draft_vocab_size=3000, ttt_steps=3)
     vocab = build_draft_vocab(torch.randint(0, 1000, (8192,), generator=torch.Generator().manual_seed(0)), 3000)

@@ -12,14 +12,14 @@ import torch
 from safetensors.torch import save_file
 
 from specring.cli.train import build_parser, config_from_args, train_main
-from specring.shared.checkpoint import WEIGHTS_FILE
-from specring.shared.config import DEFAULT_EAGLE3_TOPK
+from specring.shared.config.run_config import DEFAULT_EAGLE3_TOPK
 from specring.shared.data.dataset import TokenDataset
-from specring.shared.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab, write_draft_vocab
+from specring.shared.drafters.checkpoint import WEIGHTS_FILE
+from specring.shared.drafters.draft_vocab import DRAFT_VOCAB_FILE, read_draft_vocab, write_draft_vocab
 from specring.shared.errors import ConfigError
 from specring.shared.models.eagle3 import build_draft_vocab, draft_to_target
 from specring.shared.models.layer_ids import default_eagle3_layer_ids
-from specring.shared.run_dir import RunDir
+from specring.shared.run.run_dir import RunDir
 from specring.supervisor.resume import prepare_draft_vocab
 from specring.supervisor.runplan import resolve_run
 from tests.support import TARGET, make_dataset

@@ -14,22 +14,22 @@ import pytest
 import torch
 
 from specring.cli.eval import main
-from specring.shared import checkpoint as ckpt
+from specring.shared.data.prompts import load_prompts
+from specring.shared.drafters import checkpoint as ckpt
 from specring.shared.drafters.dflash_blocks import (
     block_loss,
     build_block_batch,
     loss_weights,
     sample_anchors,
 )
+from specring.shared.drafters.tau import evaluate_tau
 from specring.shared.models.dflash import DFlashConfig, build_drafter
 from specring.shared.models.draft_attention import build_attention_mask
 from specring.shared.models.ngram import PromptLookupProposer
 from specring.shared.models.speculative import (
     DecodeResult,
     DFlashProposer,
-    evaluate_tau,
     greedy_generate,
-    load_prompts,
     speculative_generate,
     summarize,
 )
@@ -341,7 +341,7 @@ def test_cli_reports_checkpoint_and_baselines_losslessly(tmp_path, prompts, dcfg
 def test_cli_names_a_decoding_failure_in_one_line_and_exits_1(tmp_path, prompts, capsys, monkeypatch):
     """Issue 24: a decode that raises (as a hybrid target's cache crop once did) is one ``error:`` line, exit 1,
     no traceback."""
-    import specring.shared.evaluation as evaluation
+    import specring.shared.commands.evaluation as evaluation
 
     data = _write_arrow(tmp_path / "heldout.arrow", [p + p for p in prompts[:1]])
 

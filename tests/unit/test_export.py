@@ -17,8 +17,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specring.cli.export import main
-from specring.shared import checkpoint as ckpt
 from specring.shared.data.dataset import TokenDataset
+from specring.shared.drafters import checkpoint as ckpt
 from specring.shared.drafters.dflash_export import (
     export_drafter,
     load_exported,

@@ -105,3 +105,98 @@ def test_every_registered_family_keeps_the_contract():
         fam = get_family(name)
         assert isinstance(fam, DrafterFamily) and fam.name == name
         assert not getattr(type(fam), "__abstractmethods__", None), (name, type(fam).__abstractmethods__)
+
+
+def shared_folder_imports(shared: Path) -> dict[str, dict[str, list[str]]]:
+    """``folder -> imported folder -> ["path:line", ...]`` among the folders of ``shared`` (its direct
+    subfolders; the top-level modules of a folder count as that folder, those of ``shared`` itself as ``"."``), from
+    every import of every module, function-local ones and those under ``if TYPE_CHECKING`` included."""
+    def node_of(parts: list[str]) -> str | None:
+        """The folder a module path inside shared (``["drafters", "checkpoint"]``) belongs to."""
+        if not parts:
+            return None
+        return parts[0] if (shared / parts[0]).is_dir() else "."
+
+    graph: dict[str, dict[str, list[str]]] = {}
+    for path in sorted(shared.rglob("*.py")):
+        rel = path.relative_to(shared)
+        here = rel.parts[0] if len(rel.parts) > 1 else "."
+        package = ["specring", "shared", *rel.parts[:-1]]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name.split(".") for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = (package[:len(package) - node.level + 1] if node.level else [])
+                module = base + (node.module.split(".") if node.module else [])
+                # `from specring.shared import errors`, `from specring.shared.run import run_dir`: the names are modules
+                targets = [module + [a.name] for a in node.names] if len(module) <= 3 else [module]
+            for parts in targets:
+                if parts[:2] != ["specring", "shared"]:
+                    continue
+                there = node_of(parts[2:])
+                if there is not None and there != here:
+                    graph.setdefault(here, {}).setdefault(there, []).append(f"{path.relative_to(shared.parent)}:"
+                                                                             f"{node.lineno}")
+    return graph
+
+
+def folder_cycle(graph: dict[str, dict[str, list[str]]]) -> list[str] | None:
+    """A cycle of ``graph`` (``[a, b, ..., a]``), or None when there is none."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for m in sorted(graph.get(n, {})):
+            if state.get(m) == 1:
+                return path[path.index(m):] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        path.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+# the one folder circle left, by its edge, and why it is not yet broken (issue 26): the run configuration checks and
+# resolves the --drafter family's facts (its name among the registered ones, requires_target_labels,
+# default_distill_topk) through the registry, while the families read the configuration and the run directory
+KNOWN_CIRCLE_EDGES = {("config", "drafters"): "TrainerConfig asks shared.drafters.get_family for the family's facts"}
+
+
+def test_no_folder_of_shared_imports_one_that_imports_it_back():
+    """The folders of ``shared/`` form layers: none reaches itself through the imports of the others (issue 26),
+    but for ``KNOWN_CIRCLE_EDGES``, each of which must still be there (remove it here once it is gone)."""
+    graph = shared_folder_imports(REPO / "shared")
+    gone = [edge for edge in KNOWN_CIRCLE_EDGES if edge[1] not in graph.get(edge[0], {})]
+    assert not gone, f"no longer imported, remove from KNOWN_CIRCLE_EDGES: {gone}"
+    for a, b in KNOWN_CIRCLE_EDGES:
+        del graph[a][b]
+    cycle = folder_cycle(graph)
+    where = [f"  {a} -> {b}: {', '.join(graph[a][b][:3])}" for a, b in zip(cycle, cycle[1:])] if cycle else []
+    assert cycle is None, "shared/ folders in a circle: " + " -> ".join(cycle or []) + "\n" + "\n".join(where)
+
+
+@pytest.mark.parametrize("where", ["module", "function"])
+def test_the_folder_walker_sees_a_circle(tmp_path, where):
+    shared = tmp_path / "shared"
+    for folder, text in (("a", "from specring.shared.b.y import Y\n"), ("b", "from specring.shared.a import x\n")):
+        (shared / folder).mkdir(parents=True)
+        (shared / folder / "__init__.py").write_text("")
+        if where == "function":
+            text = "def f():\n    " + text
+        (shared / folder / ("x.py" if folder == "a" else "y.py")).write_text(text)
+    (shared / "errors.py").write_text("")
+    (shared / "c").mkdir()
+    (shared / "c" / "z.py").write_text("from specring.shared import errors\nfrom specring.shared.a.x import X\n")
+    graph = shared_folder_imports(shared)
+    assert graph["c"] == {".": ["shared/c/z.py:1"], "a": ["shared/c/z.py:2"]}
+    assert folder_cycle(graph) == ["a", "b", "a"]
+    (shared / "b" / "y.py").write_text("from specring.shared import errors\n")
+    assert folder_cycle(shared_folder_imports(shared)) is None

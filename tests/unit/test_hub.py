@@ -1,4 +1,5 @@
-"""Targets by hub id (shared/hub.py): resolved from a prepared local Hugging Face cache, a clear error otherwise."""
+"""Targets by hub id (shared/models/hub.py): resolved from a prepared local Hugging Face cache, a clear error
+otherwise."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from specring.shared.errors import ConfigError
-from specring.shared.hub import resolve_model_dir
+from specring.shared.models.hub import resolve_model_dir
 
 FIXTURE = Path(__file__).resolve().parents[2] / "assets" / "tiny-code-lm"
 
@@ -76,7 +77,7 @@ def test_resume_accepts_the_hub_id_of_the_directory_the_run_recorded(tmp_path, m
     import json
 
     from specring.cli.flags import build_parser, config_from_args
-    from specring.shared.config import RunConfig
+    from specring.shared.config.run_config import RunConfig
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -9,10 +9,10 @@ import time
 import pytest
 import zmq
 
-from specring.shared import faults
-from specring.shared.config import MonitorConfig, RunConfig
+from specring.shared.config.run_config import MonitorConfig, RunConfig
 from specring.shared.errors import ConfigError
-from specring.shared.procs import ChildContext, Topology
+from specring.shared.process import faults
+from specring.shared.process.procs import ChildContext, Topology
 from specring.shared.transport import channel
 from specring.shared.transport import messages as m
 from specring.supervisor.monitor import Child, HealthMonitor

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import zmq
 
-from specring.shared.config import TrainerConfig
+from specring.shared.config.run_config import TrainerConfig
 from specring.shared.errors import ConfigError
 from specring.shared.transport import messages as m
 from specring.supervisor.nodes import NodeLink, rendezvous

@@ -1,5 +1,5 @@
 """Several nodes must run one target (issue 27, kind 1): the target compared by content, cheaply
-(``shared.fingerprint``), in the plan every node's supervisor checks at the rendezvous (``supervisor.nodes``),
+(``shared.models.fingerprint``), in the plan every node's supervisor checks at the rendezvous (``supervisor.nodes``),
 and ``restart producer N`` of another node's producer passed to that node, or answered with the owning node."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import torch
 from safetensors.torch import load_file, save_file
 
-from specring.shared.fingerprint import target_fingerprint
+from specring.shared.models.fingerprint import target_fingerprint
 from specring.shared.transport import messages as m
 from specring.supervisor import nodes
 from specring.supervisor.nodes import NodeTopology, plan_differences
@@ -48,7 +48,7 @@ def test_the_fingerprint_is_by_content_not_by_path(tmp_path):
 
 
 def _cfg(target, random_weights=False):
-    from specring.shared.config import ProducerConfig, TrainerConfig
+    from specring.shared.config.run_config import ProducerConfig, TrainerConfig
     return SimpleNamespace(producer=ProducerConfig(target=str(target), devices=["cpu"], random_weights=random_weights),
                            trainer=TrainerConfig(devices=["cpu"]))
 

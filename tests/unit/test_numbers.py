@@ -2,7 +2,7 @@
 numeric flag of ``train``, ``prepare`` and ``restart`` and in every numeric ``--config`` value are refused
 with an error that names the flag or the file and key; nothing crashes with a traceback.
 
-The flags and fields are enumerated from the config declaration (``shared.config.field_specs``: every
+The flags and fields are enumerated from the config declaration (``shared.config.run_config.field_specs``: every
 field's ``--section.field`` flag and its aliases) and the config dataclasses, so a new numeric field or
 alias is covered without touching this file.
 """
@@ -20,8 +20,8 @@ import pytest
 from specring.cli.prepare import build_parser as prepare_parser
 from specring.cli.prepare import main as prepare_main
 from specring.cli.train import build_parser, config_from_args
-from specring.shared import config as C
-from specring.shared.command_config import PrepareConfig
+from specring.shared.commands.command_config import PrepareConfig
+from specring.shared.config import run_config as C
 from specring.shared.errors import ConfigError
 from tests.support import REPO
 

@@ -1,5 +1,5 @@
 """Output names that collide with what a command reads, or with each other, are refused before anything is
-written (issue 27, kind 3; ``shared/outputs.py``): ``prepare`` (its sidecar is ``NAME.json``), ``regenerate``,
+written (issue 27, kind 3; ``shared/config/outputs.py``): ``prepare`` (its sidecar is ``NAME.json``), ``regenerate``,
 ``export`` (whose ``--overwrite`` would remove a run directory named as ``--output``), ``eval --output-json`` and
 ``train --run-dir``."""
 
@@ -16,8 +16,8 @@ from specring.cli.export import main as export_main
 from specring.cli.prepare import main as prepare_main
 from specring.cli.regenerate import main as regenerate_main
 from specring.cli.train import train_main
+from specring.shared.config.outputs import check_outputs
 from specring.shared.errors import ConfigError
-from specring.shared.outputs import check_outputs
 from tests.support import TARGET, make_dataset
 from tests.unit.test_corrupt_files import drafter_run  # noqa: F401 - the fixture: a run with two checkpoints
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from specring.producers.producer import Producer
-from specring.shared import faults
-from specring.shared.config import DEFAULT_TARGET, ProducerConfig
+from specring.shared.config.run_config import DEFAULT_TARGET, ProducerConfig
 from specring.shared.errors import ConfigError
 from specring.shared.models.target import load_target
+from specring.shared.process import faults
 from specring.shared.transport import layout, messages, ring
 from specring.shared.transport.ring import EMPTY, PUBLISHED, Ring
 from tests.support import temp_ring

@@ -18,8 +18,8 @@ import pytest
 
 from specring.cli.flags import load_config_file
 from specring.cli.train import train_main
-from specring.shared.hub import HUB_ID
 from specring.shared.models.dflash import DFlashConfig
+from specring.shared.models.hub import HUB_ID
 from specring.shared.models.layer_ids import default_target_layer_ids, layer_kinds
 from specring.shared.models.target_config import dense_intermediate_size
 from tests.support import REPO, make_dataset

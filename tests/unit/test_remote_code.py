@@ -1,4 +1,4 @@
-"""--trust-remote-code reaches transformers (shared/hub.py load_pretrained): a target whose model type, model
+"""--trust-remote-code reaches transformers (shared/models/hub.py load_pretrained): a target whose model type, model
 class and tokenizer class live in the checkpoint directory's own code loads with it, and is refused by name
 without it, through the loaders every process uses (load_target, check_checkpoint, the tokenizer)."""
 
@@ -42,7 +42,7 @@ class RemoteTokenizer(PreTrainedTokenizerFast):
 PROBE = r'''
 import json, sys
 from specring.shared.errors import ConfigError
-from specring.shared.hub import load_pretrained
+from specring.shared.models.hub import load_pretrained
 from specring.shared.models.dflash import resolve_mask_token_id
 from specring.shared.models.target import check_checkpoint, load_target
 d = sys.argv[1]

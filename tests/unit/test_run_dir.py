@@ -1,4 +1,4 @@
-"""The run directory (shared/run_dir.py) and its typed records (shared/run_records.py): the lock that claims it,
+"""The run directory (shared/run/run_dir.py) and its typed records (shared/run/run_records.py): the lock that claims it,
 liveness, the runs/latest link, and every record read back and written again byte for byte as the writers
 before these types wrote it (the dicts below are built in their order, with their values)."""
 
@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from specring.shared.config import RunConfig
+from specring.shared.config.run_config import RunConfig
 from specring.shared.errors import ConfigError
-from specring.shared.run_dir import RECORD_DIRS, RECORD_FILES, RunDir
-from specring.shared.run_records import (
+from specring.shared.run.run_dir import RECORD_DIRS, RECORD_FILES, RunDir
+from specring.shared.run.run_records import (
     EvalRecord,
     MetricsRecord,
     RunStatus,
@@ -27,7 +27,7 @@ from specring.shared.run_records import (
 
 HOLDER = """
 import sys, time
-from specring.shared.run_dir import RunDir
+from specring.shared.run.run_dir import RunDir
 lock = RunDir(sys.argv[1]).claim()
 print("held", flush=True)
 time.sleep(600)
@@ -283,9 +283,9 @@ def test_the_topology_reads_back_byte_for_byte_and_tolerates_a_partial_file(tmp_
     topo = Topology(run_id="abc", address="ipc:///r/coord.sock", rings=["specring-abc-p0"], slot_bytes=4096,
                     num_slots=3, supervisor_pid=123)
     run = RunDir(tmp_path)
-    topo.save(tmp_path)
-    assert run.topology_file.read_text() == json.dumps(topo.__dict__, indent=1)  # as Topology.save wrote it
-    assert Topology.load(tmp_path) == run.read_topology() == topo
+    run.write_topology(topo)
+    assert run.topology_file.read_text() == json.dumps(topo.__dict__, indent=1)  # as the writers before RunDir wrote it
+    assert run.read_topology() == topo
     run.topology_file.write_text(json.dumps({"supervisor_pid": 5}))
     assert run.read_topology().supervisor_pid == 5 and run.read_topology().rings is None
 

@@ -6,7 +6,7 @@ import fcntl
 import json
 import os
 
-from specring.shared.run_dir import RunDir
+from specring.shared.run.run_dir import RunDir
 
 
 def run_dir_held(path):

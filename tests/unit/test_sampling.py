@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from specring.cli.eval import main
+from specring.shared.drafters.tau import evaluate_tau
 from specring.shared.models import speculative as spec
 from specring.shared.models.dflash import DFlashConfig, DFlashDrafter
 from specring.shared.models.eagle3 import (
@@ -34,7 +35,6 @@ from specring.shared.models.speculative import (
     SamplePicker,
     SamplingParams,
     eagle3_chain_pick,
-    evaluate_tau,
     greedy_generate,
     rejection_sample,
     sample_generate,
@@ -364,7 +364,7 @@ def test_eagle3_and_prompt_lookup_sampling_emit_the_target_distribution(target, 
     """EAGLE-3 (q over a draft vocabulary of 16 of the 24 ids, top-p 0.9), prompt lookup (one-hot q, top-k 6) and
     DFlash2 (q over its selector's 8 candidates, each slot given the draft before it, top-p 0.9)."""
     if kind == "dflash2":
-        from specring.shared.drafters.dflash2 import DFlash2Proposer
+        from specring.shared.models.speculative import DFlash2Proposer
         params, prompt = SamplingParams(1.0, top_p=0.9), PROMPT
         make = lambda: DFlash2Proposer(dflash2_drafter(target))          # noqa: E731
     elif kind == "eagle3":

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specring.cli.train import build_parser, config_from_args
-from specring.shared.config import DEFAULT_TARGET
+from specring.shared.config.run_config import DEFAULT_TARGET
 from specring.shared.errors import ConfigError
 from specring.shared.models.dflash import DFlashConfig
 from specring.shared.models.target import (

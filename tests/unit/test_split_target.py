@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from specring.producers.producer import Producer
-from specring.shared.config import DEFAULT_TARGET, ProducerConfig
-from specring.shared.device_groups import group_members, is_cpu_group
-from specring.shared.devices import resolve_device_group
+from specring.shared.config.run_config import DEFAULT_TARGET, ProducerConfig
 from specring.shared.errors import ConfigError
+from specring.shared.machine.device_groups import group_members, is_cpu_group
+from specring.shared.machine.devices import resolve_device_group
 from specring.shared.models.target import (
     check_checkpoint,
     check_placement,

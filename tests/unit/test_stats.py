@@ -83,7 +83,7 @@ def test_every_class_declares_the_common_figures_first():
 
 
 def test_the_monitor_keeps_the_latest_of_each_figure_and_reads_them_typed():
-    from specring.shared.config import MonitorConfig
+    from specring.shared.config.run_config import MonitorConfig
     from specring.supervisor.monitor import Child, HealthMonitor
 
     mon, child = HealthMonitor(MonitorConfig()), Child("consumer", 0)
@@ -96,8 +96,8 @@ def test_the_monitor_keeps_the_latest_of_each_figure_and_reads_them_typed():
 
 
 def test_a_childs_heartbeat_carries_its_role_figures_then_the_common_ones():
-    from specring.shared.config import RunConfig
-    from specring.shared.procs import ChildContext
+    from specring.shared.config.run_config import RunConfig
+    from specring.shared.process.procs import ChildContext
 
     ctx = ChildContext(role="producer", index=0, generation=1, run_dir=".", config=RunConfig(), topology=None,
                        sock=None, stats=lambda: ProducerStats(tokens_per_s=2.0, batches=1))

@@ -1,5 +1,5 @@
 """Every terminating signal a launcher meets and can catch is a graceful stop (issue 27, kind 6; the launcher on a
-closed terminal: tests/system/test_signals.py): the set (``shared.procs.STOP_SIGNALS``), the supervisor's
+closed terminal: tests/system/test_signals.py): the set (``shared.process.procs.STOP_SIGNALS``), the supervisor's
 handler for each (a repeated SIGHUP never escalates to a hard stop), and ``train`` before its supervisor runs."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from specring.shared.procs import STOP_SIGNALS, install_stop_handlers, restore_handlers
+from specring.shared.process.procs import STOP_SIGNALS, install_stop_handlers, restore_handlers
 from tests.support import REPO
 
 DOCUMENTED = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGXCPU")

@@ -12,9 +12,9 @@ import shutil
 import pytest
 import torch
 
-from specring.shared.config import DEFAULT_TARGET
-from specring.shared.devices import resolve_device
+from specring.shared.config.run_config import DEFAULT_TARGET
 from specring.shared.errors import ConfigError
+from specring.shared.machine.devices import resolve_device
 from specring.shared.models import target
 from specring.shared.models.layer_ids import default_target_layer_ids
 from specring.shared.models.target import (

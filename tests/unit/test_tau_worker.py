@@ -17,8 +17,8 @@ import torch
 from specring.consumer.tau import CheckpointEvaluator
 from specring.consumer.tau_worker import TauWorker
 from specring.consumer.trainer import Trainer, drafter_config_from_run
-from specring.shared.config import DataConfig, ProducerConfig, RunConfig, TrainerConfig
-from specring.shared.threads import ThreadTuner, plan_threads
+from specring.shared.config.run_config import DataConfig, ProducerConfig, RunConfig, TrainerConfig
+from specring.shared.machine.threads import ThreadTuner, plan_threads
 from tests.support import REPO, TARGET, make_dataset
 
 pytestmark = pytest.mark.timeout(240)

@@ -1,4 +1,4 @@
-"""The DFlash Trainer in-process (consumer/trainer.py, shared/checkpoint.py): steps, accumulation, the
+"""The DFlash Trainer in-process (consumer/trainer.py, shared/drafters/checkpoint.py): steps, accumulation, the
 normaliser, non-finite handling, checkpoints and resume, and learning on the fixture + demo corpus."""
 
 import functools
@@ -11,8 +11,8 @@ import torch
 from safetensors import safe_open
 
 from specring.consumer.trainer import Trainer, lr_factor
-from specring.shared import checkpoint as ckpt
-from specring.shared.config import TrainerConfig
+from specring.shared.config.run_config import TrainerConfig
+from specring.shared.drafters import checkpoint as ckpt
 from specring.shared.errors import BadBatch
 from specring.shared.models.dflash import DFlashConfig
 from tests.support import TARGET, cat_batches, evaluate_batch, make_batch_in_process, windows

@@ -1,6 +1,6 @@
 """The typed records of a run directory: one dataclass per kind of record a run writes there.
 
-``shared.run_dir.RunDir`` says where each record lives and reads and writes it; this module says what a record
+``shared.run.run_dir.RunDir`` says where each record lives and reads and writes it; this module says what a record
 holds. Each record's ``to_json()`` gives the plain dict that is written (the same keys, in the same order, with
 the same values as the writers produced before these types existed, so the files are byte-compatible), and
 ``from_json(d)`` reads one back: a key that an older file lacks reads as None (the readers' ``.get`` of
@@ -18,7 +18,7 @@ record              file                  one of
 ``Topology``        ``topology.json``     what a child needs to find the others (the supervisor, at start)
 ==================  ====================  ========================================================================
 
-The run's configuration (``config.json``) is ``shared.config.RunConfig`` (``to_dict``/``from_dict``).
+The run's configuration (``config.json``) is ``shared.config.run_config.RunConfig`` (``to_dict``/``from_dict``).
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ class Summary:
     * ``last_checkpoint``: ``{"step", "path"}`` (``{}`` without one);
     * ``tau_last``: ``{"step", "tau_mean"}`` of the last measured τ; ``tau_best``: ``{"step", "tau_mean",
       "checkpoint"}`` of the highest (None without one); ``eval_failures``: ``[{"step", "error"}]``;
-    * ``balance``: duty cycle, starvation and capacity per process (``shared.balance.run_balance``);
+    * ``balance``: duty cycle, starvation and capacity per process (``shared.process.balance.run_balance``);
     * ``nodes`` (several nodes only) and ``report_to`` (with ``--report-to`` only): absent from the file
       otherwise."""
     exit_reason: str | None = None
@@ -244,7 +244,7 @@ class StatusRow:
     * ``tokens_per_s``, ``gpu_mem_bytes``, ``work``/``work_s`` (what its main thread is busy with and for how many
       seconds): from its last heartbeat, None when it sent none;
     * ``duty_cycle`` (producers; fraction of the time working) or ``starvation`` (consumers; fraction waiting for
-      a batch): None before the first batch; each is written for its role only (``shared.balance``);
+      a batch): None before the first batch; each is written for its role only (``shared.process.balance``);
     * ``cpu_percent``, ``rss_bytes``, ``threads``: psutil's figures of a live process (absent when it is not);
     * ``ring``: a producer's slots by state (``{"FREE", "WRITING", "READY", "READING"}`` -> count; absent for a
       consumer)."""
@@ -317,7 +317,7 @@ class RunStatus:
     None before one); ``drafter`` (the family's name); ``acc``: the per-position accuracy of the last record of
     ``metrics.jsonl``, under the family's ``acc_key`` (``per_slot_acc``/``per_step_acc``), and ``acc_step`` its
     step (both None before one); ``balance``: the live duty cycles and starvation
-    (``shared.balance.run_balance``, idle tails counted); ``rows``: one ``StatusRow`` per child."""
+    (``shared.process.balance.run_balance``, idle tails counted); ``rows``: one ``StatusRow`` per child."""
     run_id: str | None = None
     step: int | None = None
     trained: int | None = None
@@ -352,13 +352,13 @@ class RunStatus:
 @dataclass
 class Topology:
     """What every child needs to find the others: written by the supervisor to ``RUN_DIR/topology.json`` before it
-    spawns a child; each child reads it at start (``shared.procs.child_main``).
+    spawns a child; each child reads it at start (``shared.process.procs.child_main``).
 
     ``run_id`` (the random id in segment names and ``SPECRING_RUN_ID``), ``address`` (the coordinator's socket:
     ``ipc://RUN_DIR/coord.sock`` or ``tcp://...``), ``rings`` (one shared-memory segment name per producer),
     ``slot_bytes`` and ``num_slots`` of every ring, ``supervisor_pid``: the supervisor's pid in its own PID namespace
     (its children compare it with ``getppid()``); other processes must not judge liveness by it
-    (``shared.run_dir.RunDir.held``)."""
+    (``shared.run.run_dir.RunDir.held``)."""
     run_id: str
     address: str
     rings: list[str]
@@ -373,14 +373,3 @@ class Topology:
     def from_json(cls, d: dict[str, Any]) -> "Topology":
         """A key the file lacks reads as None."""
         return cls(**_pick(cls, _dict(d)))
-
-    def save(self, run_dir: str | Path) -> None:
-        """Write it into ``run_dir`` (``RunDir.write_topology``)."""
-        from specring.shared.run_dir import RunDir
-        RunDir(run_dir).write_topology(self)
-
-    @classmethod
-    def load(cls, run_dir: str | Path) -> "Topology":
-        """Read it from ``run_dir`` (``RunDir.read_topology``); raises ``OSError``/``ValueError``."""
-        from specring.shared.run_dir import RunDir
-        return RunDir(run_dir).read_topology()

@@ -1,6 +1,6 @@
 """Balance of a run: how much of its time each process works, and which producer:consumer ratio balances a shape.
 
-**In the processes** (``DutyClock``, kept by ``shared.procs.ChildContext``): a child's main thread is *busy*
+**In the processes** (``DutyClock``, kept by ``shared.process.procs.ChildContext``): a child's main thread is *busy*
 while it is inside an outermost ``ctx.working()`` block (a producer: forward + capture + slot write +
 publish; a consumer: copy-in + training step, and its checkpoints and evaluations) and *idle* otherwise (a
 producer waiting for a lease, i.e. for a free slot; a consumer waiting for a delivered slot). The window is
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
-from specring.shared.run_dir import SUMMARY_FILE, RunDir
+from specring.shared.run.run_dir import SUMMARY_FILE, RunDir
 from specring.shared.transport.stats import ChildStats, parse_stats
 
 BALANCE_KEYS = ("busy_s", "window_s", "idle_tail_s")

@@ -1,5 +1,6 @@
 """τ of a checkpoint or export beside the baselines, by real speculative decoding: the library side of ``launch.py
-eval`` (``specring.cli.eval`` parses its flags into ``shared.command_config.EvalConfig`` and calls ``run_eval``).
+eval`` (``specring.cli.eval`` parses its flags into ``shared.commands.command_config.EvalConfig`` and calls
+``run_eval``).
 
 The table rows: plain greedy decoding (the reference, and the lossless check), the drafter, and the
 baselines (an untrained drafter of the same family, prompt lookup), on held-out prompts. The drafter decodes
@@ -37,7 +38,8 @@ from typing import Any
 
 import torch
 
-from specring.shared.command_config import EvalConfig
+from specring.shared.commands.command_config import EvalConfig
+from specring.shared.data.prompts import load_prompts
 from specring.shared.drafters import DEFAULT_FAMILY, family_of_export, get_family
 from specring.shared.errors import ConfigError
 from specring.shared.models.batched_decode import batched_greedy_generate, decode_prompts, target_batch_support
@@ -46,7 +48,6 @@ from specring.shared.models.speculative import (
     SamplingParams,
     check_same_head,
     greedy_generate,
-    load_prompts,
     summarize,
     target_vocab_size,
 )
@@ -75,8 +76,8 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     ``ConfigError`` naming the flag for what only the loaded drafter tells (``--num-draft-tokens`` of a block
     drafter, a verify block under 2), ``ValueError``/``FileNotFoundError`` for an unreadable checkpoint or
     target; a failure while decoding propagates as raised."""
-    from specring.shared import checkpoint as ckpt
-    from specring.shared.hub import resolve_model_dir
+    from specring.shared.drafters import checkpoint as ckpt
+    from specring.shared.models.hub import resolve_model_dir
     from specring.shared.models.target import load_target
     from specring.shared.paths import DEFAULT_TARGET
 
@@ -229,13 +230,13 @@ def decoding_line(sampling: dict[str, Any]) -> str:
 
 def check_eval_output(cfg: EvalConfig) -> None:
     """Refuse an ``--output-json`` that names a file the evaluation reads or that describes it: a file of the
-    checkpoint or export, a record of its run directory (``shared.run_dir.RunDir.records``), a file of the
-    target's directory, a ``--data`` file or its sidecar (``shared.outputs.check_outputs``; ``ConfigError``
+    checkpoint or export, a record of its run directory (``shared.run.run_dir.RunDir.records``), a file of the
+    target's directory, a ``--data`` file or its sidecar (``shared.config.outputs.check_outputs``; ``ConfigError``
     naming ``--output-json``). Nothing to check without ``--output-json``."""
-    from specring.shared import checkpoint as ckpt
+    from specring.shared.config.outputs import check_outputs
     from specring.shared.data.dataset import sidecar_path
-    from specring.shared.outputs import check_outputs
-    from specring.shared.run_dir import RunDir
+    from specring.shared.drafters import checkpoint as ckpt
+    from specring.shared.run.run_dir import RunDir
 
     if not cfg.output_json:
         return

@@ -24,7 +24,7 @@ does not parse is a ``ConfigError`` naming the variable. The hooks:
     check must catch it (``inject_nonfinite``).
 ``SPECRING_SLOW_CHECKPOINT_S=<seconds>``
     A checkpoint write sleeps this long before its rename, as a large drafter's write would take
-    (``slow_checkpoint_s``, ``shared.checkpoint``).
+    (``slow_checkpoint_s``, ``shared.drafters.checkpoint``).
 ``SPECRING_SLOW_EVAL_S=<seconds>``
     The consumer's tau evaluation sleeps this long after each prompt (``slow_eval_s``, ``consumer.tau``).
 ``SPECRING_FAIL_EVAL=1``
@@ -35,7 +35,7 @@ does not parse is a ``ConfigError`` naming the variable. The hooks:
     A ``launch.py regenerate`` worker sleeps this long after writing each shard (``slow_shard_s``), so a test
     can stop or kill the launcher while its workers live, between two shards.
 
-``SPECRING_RUN_ID`` is no hook: it marks a run's processes (``shared.procs``).
+``SPECRING_RUN_ID`` is no hook: it marks a run's processes (``shared.process.procs``).
 """
 
 from __future__ import annotations

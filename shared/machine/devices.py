@@ -3,7 +3,7 @@
 * ``resolve_device("cuda:1")``: the one parser of a device string (``cpu``, ``cuda``, ``cuda:N``), checked
   against this machine.
 * ``resolve_device_group("cuda:0+cuda:1")``: a producer's device group, devices joined by ``+`` (one target
-  split over several devices); ``shared.device_groups.group_members`` splits it without looking at the machine.
+  split over several devices); ``shared.machine.device_groups.group_members`` splits it without looking at the machine.
 * ``DTYPES``: the one map from a dtype name (``"bfloat16"``) to a torch dtype; every dtype a slot payload may
   carry (``shared.transport.layout``). ``MODEL_DTYPES``: those a target or an exported drafter may be held
   in. ``resolve_dtype`` adds ``"auto"``: bfloat16 on CUDA, float32 on CPU.
@@ -17,8 +17,8 @@ import re
 
 import torch
 
-from specring.shared.device_groups import group_members
 from specring.shared.errors import ConfigError
+from specring.shared.machine.device_groups import group_members
 
 DTYPES: dict[str, torch.dtype] = {
     "bool": torch.bool,

@@ -19,7 +19,7 @@ declaration come:
 processes and stored in the run directory (``config.json``).
 
 The other commands' options (``eval``, ``export``, ``regenerate``, ``prepare``) are declared the same way, in
-``specring.shared.command_config``; ``option_specs`` walks such a class as ``field_specs`` walks ``RunConfig``.
+``specring.shared.commands.command_config``; ``option_specs`` walks such a class as ``field_specs`` walks ``RunConfig``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def setting(default: Any = dataclasses.MISSING, *, help: str = "", aliases: tupl
     (``"--lr"`` or ``Alias(...)``) besides ``--SECTION.FIELD-NAME``; ``choices`` the allowed values;
     ``cpu_default`` the default when every device is CPU; ``resume=True``: the value may change on
     ``--resume``; ``path=True``: a file or directory (compared resolved); ``hub=True``: a directory or a Hugging
-    Face hub id (``shared.hub.resolve_model_dir``, resolved when the run starts); ``ge``/``gt``/``le``/``unit``:
+    Face hub id (``shared.models.hub.resolve_model_dir``, resolved when the run starts); ``ge``/``gt``/``le``/``unit``:
     bounds of a number (see ``num``); ``switch``/``nargs``/``repeat``/``positional``: how a command's flag takes
     its value (see ``FieldSpec``); the other keywords are described on ``FieldSpec``. A list default is copied
     for each instance."""

@@ -28,7 +28,7 @@ What is guaranteed:
 
 Not guaranteed: concurrent writers. Only one process (rank 0) saves.
 
-``$SPECRING_SLOW_CHECKPOINT_S`` (tests and drills only, ``shared.faults``) sleeps that many seconds before
+``$SPECRING_SLOW_CHECKPOINT_S`` (tests and drills only, ``shared.process.faults``) sleeps that many seconds before
 the rename, as a large drafter's write would take.
 """
 
@@ -46,13 +46,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from specring.shared import faults
 from specring.shared.errors import CorruptFile
-from specring.shared.run_dir import RunDir
+from specring.shared.process import faults
+from specring.shared.run.run_dir import LATEST_FILE, WEIGHTS_FILE, RunDir, latest_checkpoint
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS_FILE = "drafter.safetensors"
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "dflash_config.json"   # the DFlash family's (DrafterFamily.config_file); the name older tools look for
 
@@ -61,7 +60,6 @@ def config_files() -> dict[str, str]:
     """``family name -> its checkpoint config file`` for every registered drafter family (``shared.drafters``)."""
     from specring.shared.drafters import NAMES, get_family
     return {name: get_family(name).config_file for name in NAMES}
-LATEST_FILE = "latest"
 
 
 def step_dir_name(step: int) -> str:
@@ -239,18 +237,6 @@ def last_good_checkpoint(checkpoints_dir: str | Path) -> tuple[Path | None, list
     return None, problems
 
 
-def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
-    """The step directory ``latest`` names, or None when there is no ``latest``."""
-    root = Path(checkpoints_dir)
-    ptr = root / LATEST_FILE
-    if not ptr.is_file():
-        return None
-    path = root / ptr.read_text().strip()
-    if not (path / WEIGHTS_FILE).is_file():
-        raise FileNotFoundError(f"{ptr} names {path.name}, which has no {WEIGHTS_FILE}")
-    return path
-
-
 def resolve_checkpoint(path: str | Path) -> Path:
     """A step directory from a step directory, a checkpoints directory or a run directory; an export
     directory (``is_export``) is returned as it is.
@@ -331,7 +317,7 @@ def load_drafter(path: str | Path, device: str | torch.device = "cpu", dtype: to
 
 def target_of_checkpoint(step_dir: str | Path) -> Path | None:
     """The target a checkpoint was trained against, from ``run_dir/config.json`` (``producer.target``) of
-    the run that holds ``run_dir/checkpoints/step-*/`` (``shared.run_dir.RunDir.read_config``); None when it is
+    the run that holds ``run_dir/checkpoints/step-*/`` (``shared.run.run_dir.RunDir.read_config``); None when it is
     not recorded (no run directory, or a configuration that does not read)."""
     try:
         target = RunDir.of_checkpoint(step_dir).read_config().producer.target

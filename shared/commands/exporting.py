@@ -1,5 +1,5 @@
 """A trained drafter written in the format the serving engines load: the library side of ``launch.py export``
-(``specring.cli.export`` parses its flags into ``shared.command_config.ExportConfig`` and calls
+(``specring.cli.export`` parses its flags into ``shared.commands.command_config.ExportConfig`` and calls
 ``export_checkpoint``).
 
 The checkpoint's drafter family writes it (``DrafterFamily.export``, ``shared/drafters/``): DFlash as
@@ -11,16 +11,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specring.shared import checkpoint as ckpt
-from specring.shared.command_config import ExportConfig
-from specring.shared.run_dir import RunDir
+from specring.shared.commands.command_config import ExportConfig
+from specring.shared.drafters import checkpoint as ckpt
+from specring.shared.run.run_dir import RunDir
 
 
 def check_export_output(output: Path, step_dir: Path, target: str | None) -> None:
     """Refuse an ``--output`` directory that is, or holds, what the export reads: the checkpoint, its run
-    directory (``--overwrite`` would remove it), or the target's directory (``shared.outputs.check_outputs``;
+    directory (``--overwrite`` would remove it), or the target's directory (``shared.config.outputs.check_outputs``;
     ``ConfigError`` naming ``--output``)."""
-    from specring.shared.outputs import check_outputs
+    from specring.shared.config.outputs import check_outputs
 
     run = RunDir.of_checkpoint(step_dir)
     inputs = {"checkpoint": step_dir, "target directory": target if target and Path(target).is_dir() else

@@ -1,5 +1,5 @@
 """The options of ``launch.py eval``, ``export``, ``regenerate`` and ``prepare``, declared like the run's
-configuration (``specring.shared.config``).
+configuration (``specring.shared.config.run_config``).
 
 Each command's options are one keyword-only dataclass (``EvalConfig``, ``ExportConfig``, ``RegenerateConfig``,
 ``PrepareConfig``) whose fields are declared with ``setting``/``num``: type, default, bounds, choices and help line.
@@ -10,7 +10,7 @@ bases, so it has one declaration and one help line everywhere. A command's ``HEL
 ``--help`` group (title -> field names, in order), and ``REQUIRED`` names the fields of a shared group that this
 command requires (``regenerate`` needs ``--target``; ``eval`` and ``export`` default to the run's target).
 
-From the declaration come (``specring.cli.flags``, ``shared.config.option_specs``): each command's flags
+From the declaration come (``specring.cli.flags``, ``shared.config.run_config.option_specs``): each command's flags
 (``--FIELD-NAME``, typed parsing, ``--help`` with every default) and the checks of every value when the object is
 built (``check_fields``: bounds, choices, required; ``ConfigError`` naming the field, which the command line names
 by its flag). The commands' library code takes the built object.
@@ -23,11 +23,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from specring.shared.config import MAX_INT32, MAX_SEED, check_fields, num, setting
+from specring.shared.config.run_config import MAX_INT32, MAX_SEED, check_fields, num, setting
 from specring.shared.data.demo import DEMO_MAX_LENGTH
 from specring.shared.paths import DEFAULT_TARGET
 
-DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto + shared.devices.MODEL_DTYPES
+DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto + shared.machine.devices.MODEL_DTYPES
 BASELINES = ("untrained", "prompt-lookup")            # the baseline rows of launch.py eval
 BACKENDS = ("auto", "transformers", "vllm", "sglang")  # shared.data.regenerate.pick_backend
 PREPARE_MAX_LENGTH = 2048                             # tokens per sample of launch.py prepare without --demo
@@ -89,7 +89,7 @@ class ProgressOptions:
 
 @dataclass(kw_only=True)
 class EvalConfig(DrafterOptions, TargetOptions, RemoteCodeOptions, DtypeOptions, GenerationOptions):
-    """``launch.py eval``: tau of a drafter beside the baselines (``specring.shared.evaluation``). Decoding
+    """``launch.py eval``: tau of a drafter beside the baselines (``specring.shared.commands.evaluation``). Decoding
     parameters are checked here (``ConfigError`` naming the field); what depends on the drafter (``--block-size``
     of a chain drafter, ``--num-draft-tokens``) when it is loaded."""
     HELP_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {

@@ -1,7 +1,7 @@
 """Device groups as the command line spells them: one producer's devices joined by ``+`` (``cuda:0+cuda:1``).
 
 Pure string work, without torch, so the command line (``cli/flags.py``) reads a group at ``--help`` time;
-``shared.devices.resolve_device_group`` checks the members against the machine.
+``shared.machine.devices.resolve_device_group`` checks the members against the machine.
 """
 
 from __future__ import annotations

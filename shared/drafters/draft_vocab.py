@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from specring.shared.errors import ConfigError
-from specring.shared.run_dir import DRAFT_VOCAB_FILE as DRAFT_VOCAB_FILE  # its name, for readers of this module
-from specring.shared.run_dir import RunDir
+from specring.shared.run.run_dir import DRAFT_VOCAB_FILE as DRAFT_VOCAB_FILE  # its name, for readers of this module
+from specring.shared.run.run_dir import RunDir
 
 
 def draft_vocab_path(run_dir: str | Path) -> Path:
-    """``RUN_DIR/draft_vocab.safetensors`` (``shared.run_dir.RunDir.draft_vocab_file``)."""
+    """``RUN_DIR/draft_vocab.safetensors`` (``shared.run.run_dir.RunDir.draft_vocab_file``)."""
     return RunDir(run_dir).draft_vocab_file
 
 

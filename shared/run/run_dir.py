@@ -3,14 +3,14 @@
 A run directory (``--run-dir``, by default ``runs/<UTC time>``, with ``runs/latest`` pointing at the newest) holds
 everything a run leaves. ``RunDir(path)`` is the one place that knows its names: every path is a property, and it
 claims the directory for a launcher, says whether a run is going there, moves ``runs/latest`` and reads and writes
-the records, typed by ``shared.run_records`` (the configuration by ``shared.config.RunConfig``). Every other module
-asks it instead of joining names. Nothing here imports torch: ``status`` and ``clean`` use it too.
+the records, typed by ``shared.run.run_records`` (the configuration by ``shared.config.run_config.RunConfig``). Every
+other module asks it instead of joining names. Nothing here imports torch: ``status`` and ``clean`` use it too.
 
 | file | written by, when | format | record |
 | --- | --- | --- | --- |
 | ``.lock`` | the launcher (``claim``), its ``flock`` held for the life of the run | empty | (the lock) |
 | ``data.json`` | the launcher, claiming a run without a checkpoint | JSON | ``supervisor.resume.data_record`` |
-| ``draft_vocab.safetensors`` | the launcher, once, before an EAGLE-3 run | safetensors | ``shared.draft_vocab`` |
+| ``draft_vocab.safetensors`` | the launcher, before an EAGLE-3 run | safetensors | ``shared.drafters.draft_vocab`` |
 | ``config.json`` | the supervisor, at start | JSON, indent 1 | ``RunConfig`` |
 | ``topology.json`` | the supervisor, at start (atomic) | JSON, indent 1 | ``Topology`` |
 | ``coord.sock`` | the supervisor binds it at start, removes it at exit | ipc socket | the coordinator's ROUTER |
@@ -19,8 +19,8 @@ asks it instead of joining names. Nothing here imports torch: ``status`` and ``c
 | ``summary.json`` | the supervisor, at the end of each session (atomic) | JSON, indent 1 | ``Summary`` |
 | ``metrics.jsonl`` | consumer rank 0, a line per optimizer step (cut on resume) | JSON lines | ``MetricsRecord`` |
 | ``eval.jsonl`` | the τ evaluator, a line per evaluation or failure | JSON lines | ``EvalRecord`` |
-| ``logs/`` | the supervisor's, one per child, the trackers' (``log_file``) | text | ``shared.logs`` |
-| ``checkpoints/`` | consumer rank 0: ``step-NNNNNN/``, ``latest`` (the newest) | safetensors | ``shared.checkpoint`` |
+| ``logs/`` | the supervisor's, one per child, the trackers' (``log_file``) | text | ``shared.process.logs`` |
+| ``checkpoints/`` | consumer rank 0: ``step-NNNNNN/``, ``latest`` | safetensors | ``shared.drafters.checkpoint`` |
 | ``tau/`` | consumer rank 0: weights of a τ evaluation between checkpoints (deleted once read) | safetensors | - |
 | ``report/`` | ``train`` at the end of a run, ``launch.py report`` | HTML, PNG | ``supervisor.report`` |
 | ``tensorboard/``, ``wandb/``, ``mlruns/`` | the trackers (``--report-to``) | theirs | ``supervisor.reporting`` |
@@ -46,7 +46,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from specring.shared import paths
 from specring.shared.errors import ConfigError
-from specring.shared.run_records import (
+from specring.shared.run.run_records import (
     EvalRecord,
     MetricsRecord,
     StatusFile,
@@ -57,7 +57,7 @@ from specring.shared.run_records import (
 )
 
 if TYPE_CHECKING:
-    from specring.shared.config import RunConfig
+    from specring.shared.config.run_config import RunConfig
 
 LOCK_FILE = ".lock"
 CONFIG_FILE = "config.json"
@@ -75,6 +75,10 @@ CHECKPOINTS_DIR = "checkpoints"
 TAU_DIR = "tau"
 REPORT_DIR = "report"
 LATEST_LINK = "latest"
+# inside a checkpoints directory (``shared.drafters.checkpoint`` writes them): the weights of a step directory, and
+# the file naming the newest complete one
+WEIGHTS_FILE = "drafter.safetensors"
+LATEST_FILE = "latest"
 # what a run writes into its directory: files, then directories (a --run-dir that would replace an input is refused)
 RECORD_FILES = (CONFIG_FILE, SUMMARY_FILE, DATA_FILE, STATUS_FILE, TOPOLOGY_FILE, METRICS_FILE, EVAL_FILE,
                 DRAFT_VOCAB_FILE, TIMESERIES_FILE, SOCKET_FILE, LOCK_FILE)
@@ -176,7 +180,7 @@ class RunDir:
 
     @property
     def checkpoint_pointer(self) -> Path:
-        """``checkpoints/latest``: the file naming the newest complete checkpoint (``shared.checkpoint``)."""
+        """``checkpoints/latest``: the file naming the newest complete checkpoint (``shared.drafters.checkpoint``)."""
         return self.checkpoints_dir / LATEST_LINK
 
     def checkpoint_dir(self, step: int) -> Path:
@@ -203,7 +207,7 @@ class RunDir:
 
     def records(self, dirs: bool = True) -> dict[str, Path]:
         """Everything a run writes here (``RECORD_FILES``, then, with ``dirs``, ``RECORD_DIRS``),
-        ``description -> path``, as ``shared.outputs.check_outputs`` takes it (a directory's description ends in
+        ``description -> path``, as ``shared.config.outputs.check_outputs`` takes it (a directory's description ends in
         ``directory``)."""
         out = {f"run record {name}": self.path / name for name in RECORD_FILES}
         if dirs:
@@ -305,7 +309,6 @@ class RunDir:
     def latest_checkpoint_step(self) -> int | None:
         """Optimizer step of the checkpoint that ``checkpoints/latest`` names (read from its name, nothing is
         loaded), or None when there is no complete one."""
-        from specring.shared.checkpoint import latest_checkpoint
         try:
             path = latest_checkpoint(self.checkpoints_dir)
         except (OSError, ValueError):  # latest names a directory without weights, or cannot be read
@@ -349,7 +352,7 @@ class RunDir:
         """``config.json`` read back as a ``RunConfig`` (``RunConfig.from_dict``: a key that an older file lacks
         takes its default). Raises ``OSError``, ``ValueError``, and ``ConfigError`` (a ``ValueError``) for a key or
         value the configuration does not know."""
-        from specring.shared.config import RunConfig
+        from specring.shared.config.run_config import RunConfig
         return RunConfig.from_dict(self.config_dict())
 
     def write_topology(self, topo: Topology) -> None:
@@ -439,6 +442,18 @@ class RunDir:
         """``data.json``. Raises ``FileNotFoundError`` (a run started before it existed), ``OSError``,
         ``ValueError``."""
         return json.loads(self.data_file.read_text())
+
+
+def latest_checkpoint(checkpoints_dir: str | Path) -> Path | None:
+    """The step directory ``latest`` names, or None when there is no ``latest``."""
+    root = Path(checkpoints_dir)
+    ptr = root / LATEST_FILE
+    if not ptr.is_file():
+        return None
+    path = root / ptr.read_text().strip()
+    if not (path / WEIGHTS_FILE).is_file():
+        raise FileNotFoundError(f"{ptr} names {path.name}, which has no {WEIGHTS_FILE}")
+    return path
 
 
 def _replace(path: Path, text: str) -> None:

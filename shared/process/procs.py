@@ -41,12 +41,12 @@ import psutil
 import zmq
 
 from specring.shared import envs
-from specring.shared.balance import DutyClock
-from specring.shared.config import RunConfig
-from specring.shared.logs import configure_logging
+from specring.shared.config.run_config import RunConfig
 from specring.shared.paths import IMPORT_ROOT
-from specring.shared.run_dir import RunDir
-from specring.shared.run_records import Topology
+from specring.shared.process.balance import DutyClock
+from specring.shared.process.logs import configure_logging
+from specring.shared.run.run_dir import RunDir
+from specring.shared.run.run_records import Topology
 from specring.shared.transport import channel, messages
 from specring.shared.transport.stats import ChildStats, parse_stats, stats_class
 
@@ -188,7 +188,7 @@ class ChildContext:
     no heartbeat at all.
 
     Balance: the time inside outermost ``working()`` blocks is the process's busy time (``duty``, a
-    ``shared.balance.DutyClock``); every heartbeat carries ``busy_s``, ``window_s`` and ``idle_tail_s``, from
+    ``shared.process.balance.DutyClock``); every heartbeat carries ``busy_s``, ``window_s`` and ``idle_tail_s``, from
     which the supervisor derives a producer's duty cycle and a consumer's starvation.
 
     The socket is used by both threads, never at once (``_sock_lock``); use ``send``/``recv``, not ``sock``.
