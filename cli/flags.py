@@ -17,12 +17,12 @@ when only that one is set; then, when every device is CPU, each CPU default the 
 ``--resume`` the saved ``config.json`` of the run is the base instead, and a flag may only change it where
 its field says so (``config_from_args``).
 
-The other commands (``eval``, ``export``, ``regenerate``, ``prepare``) declare their options the same way, one
-flat dataclass per command (``shared.config.run_config.option_specs``); ``command_parser`` derives the command's parser
-from any such class (one flag ``--FIELD-NAME`` per field, parsed by its type as above; a ``switch`` field is a flag that
-takes no value, an ``nargs``/``repeat``/``positional`` field takes its values as declared; ``--help`` grouped by
-the class's ``HELP_GROUPS``, every default shown) and ``command_config`` builds the typed object from the parsed
-flags, a bad value's ``ConfigError`` naming the flag as typed.
+The other commands (``eval``, ``export``, ``regenerate``, ``prepare``) declare their options the same way, one flat
+dataclass per command (``shared.config.run_config.option_specs``); ``command_parser`` derives the command's parser from
+any such class (one flag ``--FIELD-NAME`` per field, parsed by its type as above; a ``switch`` field is a flag that
+takes no value, an ``nargs``/``repeat``/``positional`` field takes its values as declared; ``--help`` grouped by the
+class's ``HELP_GROUPS``, every default shown) and ``command_config`` builds the typed object from the parsed flags, a
+bad value's ``ConfigError`` naming the flag as typed.
 """
 
 from __future__ import annotations
@@ -307,9 +307,10 @@ def _add_field(group, spec: FieldSpec) -> None:
     scaled = [a for a in spec.aliases if a.scale != 1]
     shown = spec.required or spec.meta.get("positional")
     help_ = (spec.help if shown else f"{spec.help} {default_help(spec)}").replace("%", "%%")
-    if spec.meta.get("positional"):
+    if spec.meta.get("positional"):  # argparse checks its choices (``invalid choice``), shown as {a,b} unless metavar
         group.add_argument(spec.key, action=_FieldAction, parse=value_parser(spec), nargs=spec.meta.get("nargs"),
-                           default=argparse.SUPPRESS, help=help_)
+                           default=argparse.SUPPRESS, help=help_, metavar=spec.meta.get("metavar"),
+                           choices=spec.meta.get("choices") or None)
         return
     if spec.meta.get("switch"):
         group.add_argument(spec.flag, *[a.flag for a in plain], dest=spec.key, action=_SwitchAction,
@@ -359,15 +360,18 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def command_parser(cls: type, prog: str, description: str, epilog: str) -> argparse.ArgumentParser:
+def command_parser(cls: type, prog: str, description: str, epilog: str | None = None) -> argparse.ArgumentParser:
     """The parser of a command whose options ``cls`` declares (``shared.config.run_config.option_specs``:
-    ``EvalConfig``, ...): one flag per field, in the groups of ``cls.HELP_GROUPS``, with ``CommandHelpFormatter``. A
-    field's value lands in the namespace under its name only when given (``command_config`` builds ``cls`` from it)."""
+    ``EvalConfig``, ...): one flag per field, in the groups of ``cls.HELP_GROUPS``, with ``CommandHelpFormatter``; a
+    group titled as argparse's own (``shared.commands.command_config.POSITIONALS``, ``OPTIONS``) is that group (``-h``
+    among the options). A field's value lands in the namespace under its name only when given (``command_config`` builds
+    ``cls`` from it)."""
     ap = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog,
                                  formatter_class=CommandHelpFormatter)
+    own = {g.title: g for g in (ap._positionals, ap._optionals)}
     specs = list(option_specs(cls).values())
     for title in dict.fromkeys(s.group for s in specs):
-        group = ap.add_argument_group(title)
+        group = own.get(title) or ap.add_argument_group(title)
         for spec in specs:
             if spec.group == title:
                 _add_field(group, spec)
@@ -375,12 +379,15 @@ def command_parser(cls: type, prog: str, description: str, epilog: str) -> argpa
 
 
 def command_config(cls: type, args: argparse.Namespace) -> Any:
-    """``cls`` (a command's options, see ``command_parser``) from the flags given, each other field at its default.
+    """``cls`` (a command's options, see ``command_parser``) from the flags given, each other field at its default
+    (a field's ``machine_default``, when it declares one, computed now: ``status``'s ``runs/latest`` of the current
+    directory).
 
     Raises ``ConfigError`` naming the flag as typed (else the field's flag) when the value is refused (a bound, a
     choice, a required option: ``shared.config.run_config.check_fields``)."""
     specs = option_specs(cls)
-    values = {key: getattr(args, key) for key in specs if hasattr(args, key)}
+    values = {key: getattr(args, key) if hasattr(args, key) else spec.meta["machine_default"]()
+              for key, spec in specs.items() if hasattr(args, key) or spec.meta.get("machine_default")}
     try:
         return cls(**values)
     except ConfigError as e:

@@ -1,5 +1,8 @@
 """Commands that talk to a run: ``status`` (one line per process), ``restart`` (a producer, gracefully),
 ``clean`` (what dead runs left behind), and ``bench`` (a script of ``benchmarks/``).
+
+The flags of ``status``, ``restart`` and ``clean`` are derived from ``shared.commands.command_config.StatusConfig``,
+``RestartConfig`` and ``CleanConfig`` (``specring.cli.flags.command_parser``); ``bench`` passes its arguments on.
 """
 
 from __future__ import annotations
@@ -11,10 +14,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specring.cli.flags import CommandHelpFormatter
+from specring.cli.flags import command_config, command_parser
 from specring.cli.main import description
 from specring.shared import paths
-from specring.shared.config.run_config import finite_number
+from specring.shared.commands.command_config import CleanConfig, RestartConfig, StatusConfig
 from specring.shared.errors import ConfigError, PeerTimeout
 from specring.shared.run.run_dir import RunDir
 from specring.shared.run.run_records import RunStatus
@@ -35,48 +38,68 @@ def _address(run_dir: str) -> str:
     return run.read_topology().address
 
 
+def status_parser() -> argparse.ArgumentParser:
+    """The parser of ``launch.py status``, derived from ``StatusConfig``."""
+    return command_parser(StatusConfig, "launch.py status",
+                          description=description("status") + " Exits with 1 "
+                          "when no run is going in the run directory (its supervisor has exited).",
+                          epilog="examples:\n"
+                          "  launch.py status                         runs/latest, one line a process\n"
+                          "  launch.py status --serve --port 8765     the live page, on loopback")
+
+
+def restart_parser() -> argparse.ArgumentParser:
+    """The parser of ``launch.py restart``, derived from ``RestartConfig``."""
+    return command_parser(RestartConfig, "launch.py restart",
+                          description="Gracefully restart one producer while "
+                          "training goes on: it finishes its current batch, exits, and comes back as a new "
+                          "generation; its published slots are still consumed.")
+
+
+def clean_parser() -> argparse.ArgumentParser:
+    """The parser of ``launch.py clean``, derived from ``CleanConfig``."""
+    return command_parser(CleanConfig, "launch.py clean",
+                          description=description("clean") + " A run whose "
+                          "launcher is alive (it holds RUN_DIR/.lock) is left alone; run directories under "
+                          "./runs are always looked in.")
+
+
+def _options(ap: argparse.ArgumentParser, cls: type, argv: list[str]):
+    """``cls`` (a command's options) from ``argv`` parsed by ``ap``; a refused value exits 2 naming the flag, as
+    argparse does (``SystemExit``)."""
+    try:
+        return command_config(cls, ap.parse_args(argv))
+    except ConfigError as e:
+        ap.error(str(e))
+
+
 def status_main(argv: list[str]) -> int:
     """``launch.py status --run-dir R``: one line per process from the running supervisor; ``--serve``: the live
     page of the run (``specring.supervisor.live_page``) until Ctrl-C."""
-    ap = argparse.ArgumentParser(prog="launch.py status", formatter_class=CommandHelpFormatter,
-                                 description=description("status") + " Exits with 1 "
-                                 "when no run is going in the run directory (its supervisor has exited).",
-                                 epilog="examples:\n"
-                                 "  launch.py status                         runs/latest, one line a process\n"
-                                 "  launch.py status --serve --port 8765     the live page, on loopback")
-    ap.add_argument("--run-dir", default=str(RunDir.latest_link()), help="the run to ask (default: runs/latest)")
-    ap.add_argument("--json", action="store_true", help="print the raw status as JSON")
-    live = ap.add_argument_group("live page (--serve: the plots of `launch.py report` and this table, in a browser)")
-    live.add_argument("--serve", action="store_true",
-                      help="serve a read-only live page of the run (refreshed from the run directory) until Ctrl-C; "
-                           "prints its URL, which holds a random token")
-    live.add_argument("--port", type=finite_number(int), default=0, help="port of --serve (0: a free one)")
-    live.add_argument("--host", default="127.0.0.1", help="address --serve listens on (loopback unless told)")
-    live.add_argument("--refresh-s", type=finite_number(float), default=5.0,
-                      help="seconds between two refreshes of the live page")
-    args = ap.parse_args(argv)
-    if args.serve:
-        if not Path(args.run_dir).is_dir():
-            print(f"error: --run-dir: {args.run_dir} is not a directory (no run there yet)", file=sys.stderr)
+    ap = status_parser()
+    opts = _options(ap, StatusConfig, argv)
+    if opts.serve:
+        if not Path(opts.run_dir).is_dir():
+            print(f"error: --run-dir: {opts.run_dir} is not a directory (no run there yet)", file=sys.stderr)
             return 1
-        if not 0 <= args.port < 65536 or not args.refresh_s > 0:
+        if not 0 <= opts.port < 65536 or not opts.refresh_s > 0:
             ap.error("--port must be in 0..65535 and --refresh-s above 0")
         from specring.supervisor.live_page import serve
-        return serve(args.run_dir, args.host, args.port, args.refresh_s)
+        return serve(opts.run_dir, opts.host, opts.port, opts.refresh_s)
     from specring.shared.transport import channel
     from specring.shared.transport import messages as m
-    run = RunDir(args.run_dir)
+    run = RunDir(opts.run_dir)
     if run.topology_file.is_file() and run.supervisor_pid() is None:
         summary = run.summary_file
-        print(f"no run is going in {args.run_dir} (its supervisor has exited)"
+        print(f"no run is going in {opts.run_dir} (its supervisor has exited)"
               + (f"; see {summary}" if summary.is_file() else ""), file=sys.stderr)
         return 1
     try:
-        reply = channel.request(_address(args.run_dir), m.Command(action="status"), timeout_s=5.0)
+        reply = channel.request(_address(opts.run_dir), m.Command(action="status"), timeout_s=5.0)
     except (ConfigError, PeerTimeout) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if args.json:
+    if opts.json:
         print(json.dumps(reply.data, indent=1))
         return 0
     st = RunStatus.from_json(reply.data)
@@ -104,21 +127,14 @@ def status_main(argv: list[str]) -> int:
 
 def restart_main(argv: list[str]) -> int:
     """``launch.py restart producer N --run-dir R``: graceful restart of one producer."""
-    ap = argparse.ArgumentParser(prog="launch.py restart", formatter_class=CommandHelpFormatter,
-                                 description="Gracefully restart one producer while "
-                                 "training goes on: it finishes its current batch, exits, and comes back as a new "
-                                 "generation; its published slots are still consumed.")
-    ap.add_argument("role", choices=["producer"], help="only producers can be restarted")
-    ap.add_argument("index", type=finite_number(int),
-                    help="producer index (the number after producer- in `launch.py status`)")
-    ap.add_argument("--run-dir", default=str(RunDir.latest_link()), help="the run (default: runs/latest)")
-    args = ap.parse_args(argv)
-    if not 0 <= args.index < 2**16:
-        ap.error(f"argument index: no producer {args.index} (indices start at 0)")
+    ap = restart_parser()
+    opts = _options(ap, RestartConfig, argv)
+    if not 0 <= opts.index < 2**16:
+        ap.error(f"argument index: no producer {opts.index} (indices start at 0)")
     from specring.shared.transport import channel
     from specring.shared.transport import messages as m
     try:
-        reply = channel.request(_address(args.run_dir), m.Command(action="restart", role=args.role, index=args.index))
+        reply = channel.request(_address(opts.run_dir), m.Command(action="restart", role=opts.role, index=opts.index))
     except (ConfigError, PeerTimeout) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -128,18 +144,14 @@ def restart_main(argv: list[str]) -> int:
 
 def clean_main(argv: list[str]) -> int:
     """``launch.py clean``: remove segments, socket files and processes of runs whose supervisor is dead."""
-    ap = argparse.ArgumentParser(prog="launch.py clean", formatter_class=CommandHelpFormatter,
-                                 description=description("clean") + " A run whose "
-                                 "launcher is alive (it holds RUN_DIR/.lock) is left alone; run directories under "
-                                 "./runs are always looked in.")
-    ap.add_argument("--run-dir", action="append", default=[], help="also look in this run directory (repeatable)")
-    args = ap.parse_args(argv)
+    ap = clean_parser()
+    opts = _options(ap, CleanConfig, argv)
     from specring.shared.process.procs import sweep_run_processes
     from specring.shared.transport.ring import run_owned, sweep_stale
     for pid, run_id, cmd in sweep_run_processes(run_owned):
         print(f"killed process {pid} of run {run_id} (its supervisor is gone): {cmd}")
     removed = sweep_stale()
-    dirs = [RunDir(d) for d in args.run_dir] + RunDir.under_runs()
+    dirs = [RunDir(d) for d in opts.run_dir] + RunDir.under_runs()
     socks = []
     for d in dirs:
         for sock in d.stale_sockets():

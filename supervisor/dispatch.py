@@ -6,17 +6,14 @@ identity names role, index and generation: ``shared.process.procs.peer_identity`
 and the balance figures, and answers operator commands (``launch.py status``/``restart``/``stop``), rate-limited
 per peer (``supervisor.peers``). A frame that is malformed, from an unknown peer or trips an error in a handler
 is logged (rate-limited) and counted, never fatal to the loop. Sends never block: a peer that is gone or does
-not read makes ``_send`` return False (the coordinator then records nothing).
-
-State it uses on the supervisor: ``coordinator``, ``router``, ``producers``/``consumers`` (``Child``),
-``monitor``, ``balance``, ``gate``, ``log_limiter``, ``progress``, the counters ``rejected_frames`` and
-``refused_commands``, and on several nodes ``topo``, ``link``, ``relay``, ``dead_nodes``.
+not read makes ``MessageDispatch.send`` return False (the coordinator then records nothing).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -27,7 +24,12 @@ from specring.shared.run.run_dir import RunDir
 from specring.shared.run.run_records import RunStatus, StatusRow
 from specring.shared.transport import channel
 from specring.shared.transport import messages as m
-from specring.supervisor.monitor import Child
+from specring.supervisor.context import RunContext
+from specring.supervisor.peers import CommandGate, LogLimiter
+
+if TYPE_CHECKING:
+    from specring.supervisor.node_events import NodeEvents
+    from specring.supervisor.records import RunRecords
 
 log = logging.getLogger(__name__)
 
@@ -37,32 +39,51 @@ LOG_EVERY_S = 10.0  # one log line per peer and kind of rejection this often at 
 
 
 class MessageDispatch:
-    """Frames in, messages out (see the module docstring); a part of ``Supervisor``."""
+    """Frames in, messages out (see the module docstring); a part of ``Supervisor``.
 
-    def _child(self, role: str, index: int) -> Child | None:
-        group = self.producers if role == "producer" else self.consumers if role == "consumer" else []
-        return group[index] if isinstance(index, int) and 0 <= index < len(group) else None
+    Given: the ``RunContext`` (``coordinator``, ``router``, the children, ``monitor``, ``balance``, ``progress``,
+    ``stop_reason``), the ``NodeEvents`` (on several nodes: ``topo``, ``link``, ``relay``, ``dead_nodes``, to reach
+    another node's children) and the ``RunRecords`` (steps trained, checkpoints, figures for ``launch.py
+    status``).
 
-    def _send(self, role: str, index: int, msg) -> bool:
+    Owns: the operator-command gate (``supervisor.peers.CommandGate``) and the rate limit of lines about bad
+    peers; public, for ``summary.json`` and the lifecycle's log lines: ``rejected_frames`` (frames of the socket
+    rejected), ``refused_commands`` (operator commands refused by the gate) and ``consumer_error`` (the message
+    of a consumer's last fatal ``Error``, empty without one)."""
+
+    def __init__(self, context: RunContext, nodes: NodeEvents, records: RunRecords):
+        self.context = context
+        self.nodes = nodes
+        self.records = records
+        self.rejected_frames = 0
+        self.refused_commands = 0
+        self.consumer_error = ""
+        self._gate = CommandGate()           # operator commands: rate-limited per peer, non-readers dropped
+        self._log_limiter = LogLimiter(LOG_EVERY_S)
+
+    def send(self, role: str, index: int, msg) -> bool:
         """Send to the current incarnation of a child without blocking; False when it could not be queued (the
         peer is not connected, or its queue is full). On node 0 of several nodes a child of another node (global
         ``index`` past this node's) is reached through the node link: True once the link queued it (if that
         node cannot pass it on, it says ``send_failed`` and the coordinator takes it back)."""
-        if self.topo is not None and self.relay is None and self._child(role, index) is None:
-            node = self.topo.nodes_of(role)[index]
-            return node not in self.dead_nodes and bool(self.link.send(
+        nodes = self.nodes
+        if nodes.topo is not None and nodes.relay is None and self.context.child(role, index) is None:
+            node = nodes.topo.nodes_of(role)[index]
+            return node not in nodes.dead_nodes and bool(nodes.link.send(
                 m.NodeMsg(node=0, event="child", role=role, index=index, body=m.encode(msg)), to=node))
         try:
-            channel.send(self.router, msg,
-                         to=peer_identity(role, index, self.coordinator.generation(role, index)).encode())
+            channel.send(self.context.router, msg,
+                         to=peer_identity(role, index, self.context.coordinator.generation(role, index)).encode())
             return True
         except zmq.ZMQError as e:  # a peer that is gone or not reading: one line per peer and LOG_EVERY_S
             self._warn_limited(("send_failed", role, index), "send_failed to=%s-%d kind=%s error=%s", role, index,
                                msg.KIND, e)
             return False
 
-    def _handle_safely(self, peer: bytes, msg) -> None:
-        """``_handle``, but a message that trips an error is logged and counted, never fatal to the loop."""
+    def handle_safely(self, peer: bytes, msg) -> None:
+        """Handle one frame of the socket (``peer``: its ZeroMQ identity; ``msg``: the decoded message, or the
+        ``MessageError`` it raised): a message that trips an error is logged and counted, never fatal to the
+        loop."""
         try:
             self._handle(peer, msg)
         except Exception as e:
@@ -71,14 +92,15 @@ class MessageDispatch:
                       type(e).__name__, e)
 
     def _handle(self, peer: bytes, msg) -> None:
-        co = self.coordinator
+        cx = self.context
+        co = cx.coordinator
         sender = peer_name(peer)
         if isinstance(msg, MessageError):
             self.rejected_frames += 1
             self._warn_limited(("frame", peer), "reject frame peer=%s error=%s", sender, msg)
             return
         if isinstance(msg, m.Command):
-            why = self.gate.admit(peer)
+            why = self._gate.admit(peer)
             if why:
                 self.refused_commands += 1
                 self._warn_limited(("command", peer), "command_refused peer=%s action=%s reason=%s", sender,
@@ -87,7 +109,7 @@ class MessageDispatch:
             self._command(peer, msg)
             return
         ident = parse_identity(peer)
-        child = self._child(ident[0], ident[1]) if ident else None
+        child = cx.child(ident[0], ident[1]) if ident else None
         if child is None:
             self.rejected_frames += 1
             self._warn_limited(("unknown", peer), "reject kind=%s peer=%s reason=unknown_peer", msg.KIND, sender)
@@ -106,119 +128,88 @@ class MessageDispatch:
         if isinstance(msg, m.Hello) and (role != msg.role or child.index != msg.index):
             log.warning("reject hello peer=%s says %s-%s", sender, msg.role, msg.index)
             return
-        if self.relay is not None and not isinstance(msg, m.Heartbeat):
-            self.relay.up(role, child.index, msg)  # node 0 keeps the ledger; the local handling below goes on
+        if self.nodes.relay is not None and not isinstance(msg, m.Heartbeat):
+            self.nodes.relay.up(role, child.index, msg)  # node 0 keeps the ledger; the local handling below goes on
         if isinstance(msg, m.Hello):
-            self.monitor.on_hello(child)
+            cx.monitor.on_hello(child)
             co.on_hello(role, msg.index, msg.generation)
             log.info("hello %s=%d pid=%d generation=%d", role, msg.index, msg.pid, msg.generation)
         elif isinstance(msg, m.Heartbeat):
-            self.monitor.on_heartbeat(child, msg.stats)
-            self.balance[(role, child.index)].update(peer_gen, msg.stats)
-        elif (progress := self._to_ledger(role, msg)) is not None:
+            cx.monitor.on_heartbeat(child, msg.stats)
+            cx.balance[(role, child.index)].update(peer_gen, msg.stats)
+        elif (progress := to_ledger(co, self.records, self.nodes.world(), role, msg)) is not None:
             if progress:
-                self.monitor.on_progress(child)
+                cx.monitor.on_progress(child)
         elif isinstance(msg, m.Checkpointed):
-            self.monitor.on_progress(child)
-            self.last_checkpoint = {"step": msg.step, "path": msg.path}
+            cx.monitor.on_progress(child)
+            self.records.on_checkpoint(msg.step, msg.path)
             log.info("checkpoint step=%d path=%s", msg.step, msg.path)
         else:
             self.rejected_frames += 1
             log.warning("reject kind=%s peer=%s reason=unexpected_for_role", msg.KIND, sender)
 
-    def _to_ledger(self, role: str, msg) -> bool | None:
-        """Hand a child's ``SlotReady``/``BadBatch``/``SlotReleased``/``Trained`` to the coordinator (a local
-        child's, or on node 0 another node's, indices global); returns whether it counts as the child's progress,
-        None when it is not one of those messages from that role."""
-        co = self.coordinator
-        if isinstance(msg, m.SlotReady) and role == "producer":
-            return co.on_slot_ready(msg)
-        if isinstance(msg, m.BadBatch):
-            co.on_bad_batch(msg, from_consumer=(role == "consumer"))
-            return True
-        if isinstance(msg, m.SlotReleased) and role == "consumer":
-            co.on_slot_released(msg)
-            return True
-        if isinstance(msg, m.Trained) and role == "consumer":
-            self._on_trained(msg)
-            return True
-        return None
-
-    def _on_trained(self, msg: m.Trained) -> None:
-        co = self.coordinator
-        co.on_trained(msg)
-        self.trained_steps.append((int(msg.step), [int(b) for b in msg.batch_ids]))
-        if msg.consumer == 0:
-            now = time.monotonic()
-            if self.first_trained_at is None:
-                self.first_trained_at = now  # start-up (imports, model loads) is not throughput
-            else:
-                self.tokens_trained += msg.num_tokens * self._world()
-            self.last_trained_at = now
-            self.progress.update(msg.step, msg.loss, co)
-
-    def _world(self) -> int:
-        """Consumers of the run, every node's."""
-        return sum(self.topo.consumers) if self.topo is not None else len(self.consumers)
-
     def status_rows(self) -> list[StatusRow]:
         """One ``StatusRow`` per child, producers first (``status.json``, ``launch.py status``, the time series)."""
+        cx = self.context
+        co = cx.coordinator
         rows = []
         now = time.monotonic()
-        for c in self.producers + self.consumers:
+        for c in cx.producers + cx.consumers:
             row = StatusRow(role=c.role, index=c.index, pid=c.pid,
-                            generation=self.coordinator.generation(c.role, c.index) if self.coordinator else 1,
+                            generation=co.generation(c.role, c.index) if co else 1,
                             state=c.state, heartbeat_age_s=round(now - c.last_heartbeat, 1) if c.hello else None,
                             tokens_per_s=c.figures.tokens_per_s, gpu_mem_bytes=c.figures.gpu_mem_bytes,
                             restarts=c.restarts, work=c.figures.work, work_s=c.figures.work_s,
-                            **self.balance[(c.role, c.index)].live(), **self.monitor.sample(c))
-            if c.role == "producer" and self.coordinator:
-                row.ring = self.coordinator.occupancy(c.index)
+                            **cx.balance[(c.role, c.index)].live(), **cx.monitor.sample(c))
+            if c.role == "producer" and co:
+                row.ring = co.occupancy(c.index)
             rows.append(row)
         return rows
 
     def _command(self, peer: bytes, cmd: m.Command) -> None:
+        cx = self.context
         if cmd.action == "status":
-            co = self.coordinator
-            last = RunDir(self.run_dir).last_metrics()
-            acc_key = get_family(self.cfg.trainer.drafter).acc_key
-            status = RunStatus(run_id=self.run_id, step=self.progress.step, trained=len(co.trained),
-                               planned=len(co.order), loss=co.loss_last, drafter=self.cfg.trainer.drafter,
+            co = cx.coordinator
+            last = RunDir(cx.run_dir).last_metrics()
+            acc_key = get_family(cx.cfg.trainer.drafter).acc_key
+            status = RunStatus(run_id=cx.run_id, step=cx.progress.step, trained=len(co.trained),
+                               planned=len(co.order), loss=co.loss_last, drafter=cx.cfg.trainer.drafter,
                                acc_key=acc_key, acc=last.family.get(acc_key) if last else None,
-                               acc_step=last.step if last else None, balance=self._balance(steady=False),
-                               rows=self.status_rows())
+                               acc_step=last.step if last else None,
+                               balance=self.records.balance_figures(steady=False), rows=self.status_rows())
             reply = m.Reply(ok=True, text="", data=status.to_json())
-        elif cmd.action == "restart" and cmd.role == "producer" and self._child("producer", cmd.index):
-            ok, text = self._restart_producer(cmd.index)
+        elif cmd.action == "restart" and cmd.role == "producer" and cx.child("producer", cmd.index):
+            ok, text = self.restart_producer(cmd.index)
             reply = m.Reply(ok=ok, text=text)
-        elif cmd.action == "restart" and cmd.role == "producer" and self.topo is not None:
+        elif cmd.action == "restart" and cmd.role == "producer" and self.nodes.topo is not None:
             reply = self._restart_elsewhere(cmd.index)
         elif cmd.action == "restart" and cmd.role == "producer":
             reply = m.Reply(ok=False, text=f"no producer {cmd.index}: the run has producers "
-                                           f"0..{len(self.producers) - 1}")
+                                           f"0..{len(cx.producers) - 1}")
         elif cmd.action == "stop":
-            self.stop_reason = self.stop_reason or "stop_requested"
+            cx.stop_reason = cx.stop_reason or "stop_requested"
             reply = m.Reply(ok=True, text="stopping: consumers will checkpoint")
         else:
             reply = m.Reply(ok=False, text=f"unknown command {cmd.action!r} {cmd.role!r} {cmd.index}")
         try:
-            channel.send(self.router, reply, to=peer)
+            channel.send(cx.router, reply, to=peer)
         except zmq.Again:  # its queue is full: it does not read what it asked for
-            self.gate.drop(peer)
+            self._gate.drop(peer)
             self._warn_limited(("drop", peer), "peer_dropped peer=%s reason=not_reading drop_s=%g",
-                               peer_name(peer), self.gate.drop_s)
+                               peer_name(peer), self._gate.drop_s)
         except zmq.ZMQError:
             pass  # gone already
 
-    def _restart_producer(self, index: int) -> tuple[bool, str]:
-        """Restart this node's producer ``index`` gracefully (it finishes its batch, exits, and the monitor starts
-        its next generation); ``(ok, what the operator is told)``."""
-        child = self.producers[index]
+    def restart_producer(self, index: int) -> tuple[bool, str]:
+        """Restart this node's producer ``index`` (local; an ``IndexError`` past this node's producers)
+        gracefully (it finishes its batch, exits, and the monitor starts its next generation); ``(ok, what the
+        operator is told)``."""
+        child = self.context.producers[index]
         if not child.alive():
             return False, f"producer {index} is not running (state {child.state})"
         child.graceful_restart = True
-        self._send("producer", index, m.Shutdown(reason="restart requested"))
-        gen = self.coordinator.generation("producer", index)
+        self.send("producer", index, m.Shutdown(reason="restart requested"))
+        gen = self.context.coordinator.generation("producer", index)
         log.info("restart_requested producer=%d generation=%d", index, gen)
         return True, f"producer {index} (generation {gen}) is restarting"
 
@@ -226,9 +217,10 @@ class MessageDispatch:
         """Several nodes: ``restart producer N`` of a producer that is not this node's. Node 0 takes N as the
         global index (``launch.py status`` of node k lists its own from 0) and passes the restart to the node that
         owns it over the node link; another node says where N is to be asked."""
-        t = self.topo
+        nodes = self.nodes
+        t = nodes.topo
         total = sum(t.producers)
-        if self.relay is not None:  # node k: its own producers by local index; the others through node 0
+        if nodes.relay is not None:  # node k: its own producers by local index; the others through node 0
             return m.Reply(ok=False, text=f"node {t.node_rank} has producers 0..{t.producers[t.node_rank] - 1} "
                                           f"(local indices); restart another node's producer on that node, or on "
                                           f"node 0 by its global index (0..{total - 1})")
@@ -237,7 +229,7 @@ class MessageDispatch:
                                           f"indices, node by node: {t.producers})")
         node = t.nodes_of("producer")[index]
         local = index - sum(t.producers[:node])
-        if node in self.dead_nodes or not self.link.send(
+        if node in nodes.dead_nodes or not nodes.link.send(
                 m.NodeMsg(node=0, event="restart", role="producer", index=index), to=node):
             return m.Reply(ok=False, text=f"producer {index} is producer {local} of node {node}, which cannot be "
                                           f"reached now; run `launch.py restart producer {local}` on node {node}")
@@ -247,24 +239,44 @@ class MessageDispatch:
 
     def _warn_limited(self, key, fmt: str, *args) -> None:
         """``log.warning`` at most once per ``LOG_EVERY_S`` per key (a peer's flood is not a log flood)."""
-        if self.log_limiter.allow(key):
-            held = self.log_limiter.held(key)
+        if self._log_limiter.allow(key):
+            held = self._log_limiter.held(key)
             log.warning(fmt + (f" (and {held} more like it in the last {LOG_EVERY_S:g} s)" if held else ""), *args)
 
-    def _drain_heartbeats(self) -> None:
+    def drain_heartbeats(self) -> None:
         """Take the balance figures of the heartbeats still queued once every child has exited (each child sends
         one last heartbeat as it exits, after the loop stopped reading); every other frame is dropped."""
-        if getattr(self, "router", None) is None:
+        cx = self.context
+        if cx.router is None:
             return
         for _ in range(MAX_FRAMES_PER_TURN):
-            got = channel.recv_from(self.router, 0)
+            got = channel.recv_from(cx.router, 0)
             if got is None:
                 return
             peer, msg = got
             ident = parse_identity(peer)
-            if isinstance(msg, m.Heartbeat) and ident and self._child(ident[0], ident[1]) is not None \
+            if isinstance(msg, m.Heartbeat) and ident and cx.child(ident[0], ident[1]) is not None \
                     and msg.role == ident[0] and msg.index == ident[1] and msg.generation == ident[2]:
-                self.balance[(ident[0], ident[1])].update(ident[2], msg.stats)
+                cx.balance[(ident[0], ident[1])].update(ident[2], msg.stats)
+
+
+def to_ledger(co, records: RunRecords, world: int, role: str, msg) -> bool | None:
+    """Hand a child's ``SlotReady``/``BadBatch``/``SlotReleased``/``Trained`` to the coordinator ``co`` (a local
+    child's, or on node 0 another node's, indices global; a ``Trained`` through ``records``, ``world``: the run's
+    consumers on every node); returns whether it counts as the child's progress, None when it is not one of
+    those messages from that role."""
+    if isinstance(msg, m.SlotReady) and role == "producer":
+        return co.on_slot_ready(msg)
+    if isinstance(msg, m.BadBatch):
+        co.on_bad_batch(msg, from_consumer=(role == "consumer"))
+        return True
+    if isinstance(msg, m.SlotReleased) and role == "consumer":
+        co.on_slot_released(msg)
+        return True
+    if isinstance(msg, m.Trained) and role == "consumer":
+        records.on_trained(msg, world)
+        return True
+    return None
 
 
 def peer_name(peer: bytes) -> str:

@@ -87,6 +87,6 @@ def launch(start: RunStart, say: Callable[[str], None] = print) -> LaunchResult:
         sup = Supervisor(cfg, plan, trained=trained, updated_before=len(updated) if cfg.resume else 0)
         with logging_redirect_tqdm():
             outcome = sup.run()
-        return LaunchResult(outcome.exit_code, summary=sup.summary)
+        return LaunchResult(outcome.exit_code, summary=sup.records.summary)
     finally:
         lock.close()

@@ -1,15 +1,11 @@
 """The supervisor's records of a run: throughput, balance, the trackers' figures and ``summary.json``.
 
-``RunRecords`` (a part of ``supervisor.supervisor.Supervisor``) derives the run's figures from what the
-supervisor saw: tokens/s between the first and the latest optimizer step, duty cycles and starvation
-(``shared.process.balance``), ring occupancy and restarts for the trackers of ``--report-to``
-(``supervisor.reporting``), the last checkpoint (from messages, or from disk when its message was lost), the batches
+``RunRecords`` (a part of ``supervisor.supervisor.Supervisor``) derives the run's figures from what the supervisor saw:
+tokens/s between the first and the latest optimizer step, duty cycles and starvation (``shared.process.balance``), ring
+occupancy and restarts for the trackers of ``--report-to`` (``supervisor.reporting``), the pipeline's time series
+(``supervisor.timeseries``), the last checkpoint (from messages, or from disk when its message was lost), the batches
 ``--resume`` will train, the τ evaluations that failed (``eval.jsonl``), and at the end ``summary.json`` (a
 ``shared.run.run_records.Summary``, whose docstring lists its fields; written through ``shared.run.run_dir.RunDir``).
-
-State it uses on the supervisor: ``coordinator``, ``producers``/``consumers``, ``balance``, ``reporter``,
-``progress``, ``run_dir``, ``run_id``, ``trained_steps``, ``trained_at_start``, ``last_checkpoint``, the
-counters, and on several nodes ``topo``, ``link``, ``dead_nodes``.
 """
 
 from __future__ import annotations
@@ -21,8 +17,12 @@ from dataclasses import dataclass
 
 from specring.shared.process.balance import run_balance
 from specring.shared.run.run_dir import RunDir
-from specring.shared.run.run_records import EvalRecord, Summary
+from specring.shared.run.run_records import EvalRecord, StatusRow, Summary
+from specring.shared.transport import messages as m
+from specring.supervisor.context import RunContext
 from specring.supervisor.coordinator import Coordinator
+from specring.supervisor.reporting import Reporter
+from specring.supervisor.timeseries import TimeSeries
 
 log = logging.getLogger(__name__)
 
@@ -36,28 +36,111 @@ class Outcome:
 
 
 class RunRecords:
-    """Figures and records of the run (see the module docstring); a part of ``Supervisor``."""
+    """Figures and records of the run (see the module docstring); a part of ``Supervisor``.
+
+    Given: the ``RunContext`` (``cfg``, ``run_dir``, ``run_id``, the children, ``balance``, ``coordinator``,
+    ``progress``) and ``updated_before``: on ``--resume``, how many of the resumed checkpoint's batches were
+    trained by steps that updated the weights (None: all of them; ``resumed`` may set it).
+
+    Owns (public, read by the ``Supervisor`` and the other parts): ``started_at`` (monotonic s),
+    ``tokens_trained`` (target tokens of every optimizer step after the first, all ranks), ``first_trained_at`` /
+    ``last_trained_at`` (monotonic s of the first and latest step, None before one), ``first_spawn_at`` (the first
+    child's spawn, None before), ``last_checkpoint`` (``{"step", "path"}``, empty before one), ``trained_at_start``
+    (batch ids of the checkpoint a resumed run started from), ``trained_steps`` (``(optimizer step, batch ids)`` of
+    each ``Trained``), ``updated_before``, ``reporter`` (the trackers' ``Reporter``, None before ``open_reporter``),
+    ``timeseries`` (``TimeSeries``, None before ``open_timeseries``), ``eval_failures`` (the last
+    ``poll_eval_failures``) and ``summary`` (the ``Summary`` written, None before ``write_summary``)."""
+
+    def __init__(self, context: RunContext, updated_before: int | None = None):
+        self.context = context
+        self.updated_before = updated_before
+        self.started_at = time.monotonic()
+        self.tokens_trained = 0            # tokens of every step after the first (rate = steady state)
+        self.first_trained_at: float | None = None
+        self.first_spawn_at: float | None = None  # the first child's spawn (summary.json: first_step_s)
+        self.last_trained_at: float | None = None
+        self.last_checkpoint: dict = {}
+        self.trained_at_start: set[int] = set()  # batch ids of the checkpoint a resumed run started from
+        self.trained_steps: list[tuple[int, list[int]]] = []  # (optimizer step, batch ids) of each Trained
+        self.reporter: Reporter | None = None
+        self.timeseries: TimeSeries | None = None
+        self.eval_failures: list[dict] = []  # τ evaluations that raised (poll_eval_failures)
+        self.summary: Summary | None = None
+        self._reported_step = -1
+        self._eval_cache: tuple | None = None
+
+    def resumed(self, trained: set[int], updated_before: int | None = None) -> None:
+        """``--resume``: ``trained`` (batch ids) are the checkpoint's the run starts from; ``updated_before``, when
+        given, how many of them steps that updated the weights trained. Takes the last checkpoint from disk."""
+        self.trained_at_start = set(trained)
+        if updated_before is not None:
+            self.updated_before = updated_before
+        self.checkpoint_from_disk()
+
+    def open_timeseries(self) -> None:
+        """Open ``RUN_DIR/timeseries.jsonl`` (appended to on ``--resume``)."""
+        cx, cfg = self.context, self.context.cfg
+        self.timeseries = TimeSeries(cx.run_dir, cx.run_id, resume=bool(cfg.resume), producers=len(cx.producers),
+                                     consumers=len(cx.consumers), num_slots=cfg.ring.num_slots)
+
+    def open_reporter(self) -> None:
+        """Start the trackers of ``--report-to`` (``supervisor.reporting.Reporter``); a resumed run's steps go on
+        from its last checkpoint's."""
+        cx, cfg = self.context, self.context.cfg
+        self.reporter = Reporter(cfg.report_to, cx.run_dir, cx.run_id, cfg.to_dict(),
+                                 start_step=self.last_checkpoint.get("step", 0) if cfg.resume else 0)
+
+    def close_timeseries(self) -> None:
+        """Close the time series, if it was opened."""
+        if self.timeseries is not None:
+            self.timeseries.close()
+
+    def spawned(self) -> None:
+        """A child was spawned: the first spawn starts the clock of ``summary.json``'s ``first_step_s``."""
+        if self.first_spawn_at is None:
+            self.first_spawn_at = time.monotonic()
+
+    def on_trained(self, msg: m.Trained, world: int) -> None:
+        """A ``Trained`` (an optimizer step, indices global) handed to the ledger and recorded: its batches, and
+        from consumer 0 the throughput (its tokens times ``world``, the run's consumers on every node) and the
+        progress line."""
+        co = self.context.coordinator
+        co.on_trained(msg)
+        self.trained_steps.append((int(msg.step), [int(b) for b in msg.batch_ids]))
+        if msg.consumer == 0:
+            now = time.monotonic()
+            if self.first_trained_at is None:
+                self.first_trained_at = now  # start-up (imports, model loads) is not throughput
+            else:
+                self.tokens_trained += msg.num_tokens * world
+            self.last_trained_at = now
+            self.context.progress.update(msg.step, msg.loss, co)
+
+    def on_checkpoint(self, step: int, path: str) -> None:
+        """A consumer said it saved the checkpoint of optimizer step ``step`` at ``path``."""
+        self.last_checkpoint = {"step": step, "path": path}
 
     def pipeline_figures(self) -> dict[str, float]:
         """The supervisor's own figures for the trackers: end-to-end tokens/s, slots of each producer's ring
         by state (``pipeline/ring{i}_ready`` ...), restarts of each producer and in all, rejected messages."""
+        cx = self.context
         out = {"pipeline/tokens_per_s": self.tokens_per_s(),
-               "pipeline/restarts": float(sum(p.restarts for p in self.producers))}
-        for p in self.producers:
+               "pipeline/restarts": float(sum(p.restarts for p in cx.producers))}
+        for p in cx.producers:
             out[f"pipeline/producer{p.index}_restarts"] = float(p.restarts)
-            if self.coordinator is not None:
-                for state, n in self.coordinator.occupancy(p.index).items():
+            if cx.coordinator is not None:
+                for state, n in cx.coordinator.occupancy(p.index).items():
                     out[f"pipeline/ring{p.index}_{state.lower()}"] = float(n)
-        if self.coordinator is not None:
-            out["pipeline/trained_batches"] = float(len(self.coordinator.trained))
+        if cx.coordinator is not None:
+            out["pipeline/trained_batches"] = float(len(cx.coordinator.trained))
         return out
 
-    def _report(self, final: bool = False) -> None:
+    def report(self, final: bool = False) -> None:
         """Send what is new to the trackers (``Reporter.refresh``); the pipeline figures once per optimizer
         step (and at the end), so that a slow run does not send the same step every second."""
         if self.reporter is None:
             return
-        step = self.progress.step
+        step = self.context.progress.step
         pipeline = self.pipeline_figures() if final or step != self._reported_step else None
         self._reported_step = step
         if final:
@@ -72,14 +155,23 @@ class RunRecords:
             return 0.0
         return self.tokens_trained / (self.last_trained_at - self.first_trained_at)
 
-    def _balance(self, steady: bool) -> dict:
+    def balance_figures(self, steady: bool) -> dict:
         """Duty cycles and starvation of the run's processes (``shared.process.balance.run_balance``)."""
-        return run_balance([self.balance[("producer", c.index)] for c in self.producers],
-                           [self.balance[("consumer", c.index)] for c in self.consumers], steady=steady)
+        cx = self.context
+        return run_balance([cx.balance[("producer", c.index)] for c in cx.producers],
+                           [cx.balance[("consumer", c.index)] for c in cx.consumers], steady=steady)
 
-    def _checkpoint_from_disk(self) -> None:
+    def sample_timeseries(self, rows: list[StatusRow], force: bool = False) -> None:
+        """A sample of ``RUN_DIR/timeseries.jsonl`` (``supervisor.timeseries``, read by ``launch.py report``): the
+        status ``rows`` and the run's step, loss, tokens/s, balance and trained batches and tokens."""
+        progress = self.context.progress
+        self.timeseries.sample([r.to_json() for r in rows], progress.step, progress.total, progress.loss,
+                               self.tokens_per_s(), self.balance_figures(steady=False),
+                               len(self.context.coordinator.trained), self.tokens_trained, force=force)
+
+    def checkpoint_from_disk(self) -> None:
         """Take ``checkpoints/latest`` as the last checkpoint when it is newer than the last one reported."""
-        run = RunDir(self.run_dir)
+        run = RunDir(self.context.run_dir)
         step = run.latest_checkpoint_step()
         if step is not None and step > self.last_checkpoint.get("step", -1):
             self.last_checkpoint = {"step": step, "path": str(run.checkpoint_dir(step))}
@@ -97,14 +189,14 @@ class RunRecords:
     def _eval_records(self) -> list[EvalRecord]:
         """The records of ``eval.jsonl`` (τ at checkpoints, and failed evaluations), read again only when the file
         changed since the last call (its inode, size or modification time); lines that do not parse are skipped."""
-        run = RunDir(self.run_dir)
+        run = RunDir(self.context.run_dir)
         try:
             st = os.stat(run.eval_file)
         except OSError:
             self._eval_cache = (None, [])
             return []
         key = (st.st_ino, st.st_size, st.st_mtime_ns)
-        cached = getattr(self, "_eval_cache", None)
+        cached = self._eval_cache
         if cached is not None and cached[0] == key:
             return cached[1]
         recs = run.read_evals()
@@ -117,7 +209,7 @@ class RunRecords:
         Called about once a second by the loop and once more before the summary is written."""
         out = [{"step": int(-1 if r.step is None else r.step), "error": str(r.error)}
                for r in self._eval_records() if r.failed]
-        seen = getattr(self, "eval_failures", [])
+        seen = self.eval_failures
         for f in out[len(seen):] if out[:len(seen)] == seen else out:
             log.error("eval_failed step=%d error=%s: tau could not be measured (training goes on; see "
                       "logs/consumer-0.log)", f["step"], f["error"])
@@ -151,15 +243,21 @@ class RunRecords:
         if not taus:
             return None
         step, tau = max(taus, key=lambda st: st[1])  # max keeps the first of equals
-        ckpt_dir = RunDir(self.run_dir).checkpoint_dir(step)
+        ckpt_dir = RunDir(self.context.run_dir).checkpoint_dir(step)
         return {"step": step, "tau_mean": tau, "checkpoint": str(ckpt_dir) if ckpt_dir.is_dir() else None}
 
-    def _write_summary(self, outcome: Outcome) -> None:
-        co = self.coordinator
+    def write_summary(self, outcome: Outcome, rejected_frames: int, refused_commands: int,
+                      nodes: dict | None = None) -> None:
+        """Write ``RUN_DIR/summary.json`` (a ``shared.run.run_records.Summary``, also kept as ``summary``) for
+        ``outcome``. ``rejected_frames``/``refused_commands``: the counts of frames rejected (socket and node
+        link) and operator commands refused; ``nodes``: several nodes, the ``nodes`` record
+        (``NodeEvents.summary_nodes``), None with one node."""
+        cx = self.context
+        co = cx.coordinator
         elapsed = time.monotonic() - self.started_at
         summary = Summary(
             exit_reason=outcome.exit_reason,
-            run_id=self.run_id,
+            run_id=cx.run_id,
             planned_batches=len(co.order) if co else 0,
             trained_before_resume=co.trained_before if co else 0,
             trained_batches=len(co.trained) if co else 0,
@@ -172,7 +270,7 @@ class RunRecords:
             # batches of steps that updated no weight (no labels, non-finite loss); counted in trained_batches
             skipped_batches=len(co.skipped) if co else 0,
             updated_steps=co.updated_steps if co else 0,
-            restarts={str(c.index): c.restarts for c in self.producers},
+            restarts={str(c.index): c.restarts for c in cx.producers},
             loss_first=co.loss_first if co else None,
             loss_last=co.loss_last if co else None,
             tokens_per_s=round(self.tokens_per_s(), 1),
@@ -181,8 +279,8 @@ class RunRecords:
             first_step_s=(round(self.first_trained_at - self.first_spawn_at, 2)
                           if self.first_trained_at is not None and self.first_spawn_at is not None else None),
             rejected_messages=dict(co.rejected) if co else {},
-            rejected_frames=self.rejected_frames,
-            refused_commands=self.refused_commands,
+            rejected_frames=rejected_frames,
+            refused_commands=refused_commands,
             last_checkpoint=self.last_checkpoint,
             tau_last=self._tau_last(),
             # the best held-out τ so far and its checkpoint (the plateau and the peak, from eval.jsonl)
@@ -190,21 +288,11 @@ class RunRecords:
             # τ evaluations that raised ({step, error}); training went on without them
             eval_failures=self.poll_eval_failures(),
             # duty cycle of producers, starvation of consumers, capacity per process (shared.process.balance)
-            balance=self._balance(steady=True),
+            balance=self.balance_figures(steady=True),
         )
-        if self.topo is not None:
-            summary.nodes = {"nnodes": self.topo.nnodes, "node_rank": self.cfg.nodes.node_rank,
-                             "producers": self.topo.producers, "consumers": self.topo.consumers,
-                             "dead_nodes": sorted(self.dead_nodes),
-                             "relocated_batches": getattr(co, "relocated", 0),
-                             # node 0: deaths of other nodes' producers (global index); their restarts are
-                             # in those nodes' summaries
-                             "producer_deaths_on_other_nodes": {str(k): v for k, v in
-                                                                sorted(self.remote_producer_deaths.items())},
-                             "rejected_node_frames": self.link.rejected if self.link else 0,
-                             "refused_node_peers": self.link.allowed.refused if self.link and self.link.allowed
-                             else 0}
+        if nodes is not None:
+            summary.nodes = nodes
         if self.reporter is not None and self.reporter.names:  # what the trackers got (supervisor.reporting)
             summary.report_to = self.reporter.stats()
-        RunDir(self.run_dir).write_summary(summary)
+        RunDir(cx.run_dir).write_summary(summary)
         self.summary = summary

@@ -1,14 +1,16 @@
-"""The options of ``launch.py eval``, ``export``, ``regenerate`` and ``prepare``, declared like the run's
-configuration (``specring.shared.config.run_config``).
+"""The options of ``launch.py eval``, ``export``, ``regenerate``, ``prepare``, ``status``, ``restart``, ``clean``
+and ``report``, declared like the run's configuration (``specring.shared.config.run_config``).
 
 Each command's options are one keyword-only dataclass (``EvalConfig``, ``ExportConfig``, ``RegenerateConfig``,
-``PrepareConfig``) whose fields are declared with ``setting``/``num``: type, default, bounds, choices and help line.
-An option that several commands take (``--target``, ``--trust-remote-code``, ``--dtype``, ``--drafter``,
-``--max-new-tokens``, ``--temperature``, ``--seed``, ``--no-progress``) is declared once, in an option group
-(``TargetOptions``, ``RemoteCodeOptions``, ...), and composed into each command's class as one of its dataclass
-bases, so it has one declaration and one help line everywhere. A command's ``HELP_GROUPS`` places every field in a
-``--help`` group (title -> field names, in order), and ``REQUIRED`` names the fields of a shared group that this
-command requires (``regenerate`` needs ``--target``; ``eval`` and ``export`` default to the run's target).
+``PrepareConfig``, ``StatusConfig``, ``RestartConfig``, ``CleanConfig``, ``ReportConfig``) whose fields are
+declared with ``setting``/``num``: type, default, bounds, choices and help line. An option that several commands
+take (``--target``, ``--trust-remote-code``, ``--dtype``, ``--drafter``, ``--max-new-tokens``, ``--temperature``,
+``--seed``, ``--no-progress``) is declared once, in an option group (``TargetOptions``, ``RemoteCodeOptions``, ...),
+and composed into each command's class as one of its dataclass bases, so it has one declaration and one help line
+everywhere. A command's ``HELP_GROUPS`` places every field in a ``--help`` group (title -> field names, in order;
+``POSITIONALS`` and ``OPTIONS`` name argparse's own groups), and ``REQUIRED`` names the fields of a shared group
+that this command requires (``regenerate`` needs ``--target``; ``eval`` and ``export`` default to the run's
+target).
 
 From the declaration come (``specring.cli.flags``, ``shared.config.run_config.option_specs``): each command's flags
 (``--FIELD-NAME``, typed parsing, ``--help`` with every default) and the checks of every value when the object is
@@ -26,11 +28,14 @@ from typing import ClassVar
 from specring.shared.config.run_config import MAX_INT32, MAX_SEED, check_fields, num, setting
 from specring.shared.data.demo import DEMO_MAX_LENGTH
 from specring.shared.paths import DEFAULT_TARGET
+from specring.shared.run.run_dir import RunDir
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto + shared.machine.devices.MODEL_DTYPES
 BASELINES = ("untrained", "prompt-lookup")            # the baseline rows of launch.py eval
 BACKENDS = ("auto", "transformers", "vllm", "sglang")  # shared.data.regenerate.pick_backend
 PREPARE_MAX_LENGTH = 2048                             # tokens per sample of launch.py prepare without --demo
+# the --help groups argparse prints anyway: a HELP_GROUPS title of these is that group (cli.flags.command_parser)
+POSITIONALS, OPTIONS = "positional arguments", "options"
 
 
 # ------------------------------------------------------------------------- option groups (several commands)
@@ -220,5 +225,86 @@ class PrepareConfig(RemoteCodeOptions, ProgressOptions):
         check_fields(self)
 
 
+# ------------------------------------------------------------------------ commands that talk to a run
+
+def _latest_run() -> str:
+    """``runs/latest`` of the current directory (``RunDir.latest_link``), as the flag's value."""
+    return str(RunDir.latest_link())
+
+
+@dataclass(kw_only=True)
+class StatusConfig:
+    """``launch.py status``: one line per process of a running run, or (``serve``) its live page
+    (``specring.supervisor.live_page``). ``port``/``refresh_s`` are checked only with ``--serve`` (by the
+    command)."""
+    HELP_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        OPTIONS: ("run_dir", "json"),
+        "live page (--serve: the plots of `launch.py report` and this table, in a browser)":
+            ("serve", "port", "host", "refresh_s"),
+    }
+    run_dir: str = setting("runs/latest", metavar="RUN_DIR", default_text="runs/latest", machine_default=_latest_run,
+                           help="the run to ask")
+    json: bool = setting(False, switch=True, help="print the raw status as JSON")
+    serve: bool = setting(False, switch=True,
+                          help="serve a read-only live page of the run (refreshed from the run directory) until "
+                               "Ctrl-C; prints its URL, which holds a random token")
+    port: int = num(0, metavar="PORT", help="port of --serve (0: a free one)")
+    host: str = setting("127.0.0.1", metavar="HOST", help="address --serve listens on (loopback unless told)")
+    refresh_s: float = num(5.0, metavar="REFRESH_S", help="seconds between two refreshes of the live page")
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclass(kw_only=True)
+class RestartConfig:
+    """``launch.py restart producer N``: a graceful restart of one producer of a running run. ``index`` is
+    checked by the command (``0 <= N < 2**16``)."""
+    HELP_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        POSITIONALS: ("role", "index"),
+        OPTIONS: ("run_dir",),
+    }
+    role: str = setting(positional=True, choices=("producer",), help="only producers can be restarted")
+    index: int = num(positional=True, help="producer index (the number after producer- in `launch.py status`)")
+    run_dir: str = setting("runs/latest", metavar="RUN_DIR", default_text="runs/latest", machine_default=_latest_run,
+                           help="the run")
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclass(kw_only=True)
+class CleanConfig:
+    """``launch.py clean``: what runs whose supervisor died left behind (``./runs`` is always looked in)."""
+    HELP_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {OPTIONS: ("run_dir",)}
+    run_dir: list[str] = setting([], repeat=True, metavar="RUN_DIR", default_text="none",
+                                 help="also look in this run directory (repeatable)")
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclass(kw_only=True)
+class ReportConfig:
+    """``launch.py report``: the report of one run or several (``specring.supervisor.report.write_report``);
+    ``output`` empty: its default."""
+    HELP_GROUPS: ClassVar[dict[str, tuple[str, ...]]] = {
+        POSITIONALS: ("run_dirs",),
+        OPTIONS: ("output", "eval"),
+    }
+    run_dirs: list[str] = setting(positional=True, nargs="+", metavar="RUN_DIR",
+                                  help="run directories (several: compared)")
+    output: str = setting("", metavar="OUTPUT",
+                          default_text="RUN_DIR/report for one run, ./reports/A-vs-B for several",
+                          help="directory for index.html and the PNGs")
+    eval: list[str] = setting([], repeat=True, metavar="FILE", default_text="none",
+                              help="an eval JSON of `launch.py eval --output-json` (repeatable): its prompt-lookup and "
+                                   "untrained rows become lines on the tau plot")
+
+    def __post_init__(self):
+        check_fields(self)
+
+
 COMMAND_CONFIGS: dict[str, type] = {"eval": EvalConfig, "export": ExportConfig, "regenerate": RegenerateConfig,
-                                    "prepare": PrepareConfig}
+                                    "prepare": PrepareConfig, "status": StatusConfig, "restart": RestartConfig,
+                                    "clean": CleanConfig, "report": ReportConfig}

@@ -236,7 +236,7 @@ class Summary:
 @dataclass
 class StatusRow:
     """A child process as ``launch.py status`` shows it: a row of ``status.json`` and of the status reply
-    (``Supervisor.status_rows``).
+    (``supervisor.dispatch.MessageDispatch.status_rows``).
 
     * ``role`` (``producer``/``consumer``), ``index``, ``pid`` (None before the first spawn), ``generation``,
       ``state`` (the monitor's: ``starting``, ``running``, ``restarting``, ...), ``restarts``;

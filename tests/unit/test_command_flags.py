@@ -1,6 +1,7 @@
-"""The flags of eval, export, regenerate and prepare are derived from their declarations (issue 26):
-``shared.commands.command_config`` declares each command's options once (an option several commands take, once for all
-of them), and ``cli.flags.command_parser`` builds every parser from it; a bad value names the flag."""
+"""The flags of eval, export, regenerate and prepare (and of status, restart, clean and report) are derived from
+their declarations (issue 26): ``shared.commands.command_config`` declares each command's options once (an option
+several commands take, once for all of them), and ``cli.flags.command_parser`` builds every parser from it; a bad value
+names the flag."""
 
 from __future__ import annotations
 
@@ -233,3 +234,39 @@ def test_the_derivation_takes_any_declared_class():
 
     with pytest.raises(TypeError, match="HELP_GROUPS must place every field once"):
         option_specs(Misplaced)
+
+
+# the commands that talk to a run (issue 26): their flags, in --help order, from their declarations too
+RUN_COMMANDS = {"status": ("specring.cli.ops", "status_parser"), "restart": ("specring.cli.ops", "restart_parser"),
+                "clean": ("specring.cli.ops", "clean_parser"), "report": ("specring.cli.report", "build_parser")}
+RUN_FLAGS = {"status": ["--run-dir", "--json", "--serve", "--port", "--host", "--refresh-s"],
+             "restart": ["role", "index", "--run-dir"], "clean": ["--run-dir"],
+             "report": ["run_dirs", "--output", "--eval"]}
+
+
+def run_parser(name: str) -> argparse.ArgumentParser:
+    module, builder = RUN_COMMANDS[name]
+    return getattr(importlib.import_module(module), builder)()
+
+
+@pytest.mark.parametrize("name", RUN_COMMANDS)
+def test_the_run_commands_flags_are_their_declarations(name):
+    declared = [s.flag for s in option_specs(cc.COMMAND_CONFIGS[name]).values()]
+    assert declared == RUN_FLAGS[name] == flags_of(run_parser(name))
+
+
+def test_the_run_commands_defaults_and_values(tmp_path, monkeypatch):
+    from specring.shared.run.run_dir import RunDir
+    monkeypatch.chdir(tmp_path)   # runs/latest is the current directory's, when the command runs
+
+    def parse_run(name, *argv):
+        return command_config(cc.COMMAND_CONFIGS[name], run_parser(name).parse_args(list(argv)))
+    st = parse_run("status")
+    assert (st.run_dir, st.json, st.serve, st.port, st.host, st.refresh_s) == \
+        (str(RunDir.latest_link()), False, False, 0, "127.0.0.1", 5.0) and st.run_dir.startswith(str(tmp_path))
+    assert parse_run("restart", "producer", "1e0", "--run-dir", "r") == cc.RestartConfig(role="producer", index=1,
+                                                                                         run_dir="r")
+    assert parse_run("clean", "--run-dir", "a,b", "--run-dir", "c").run_dir == ["a,b", "c"]
+    assert parse_run("clean").run_dir == []
+    rep = parse_run("report", "a", "b", "--eval", "x.json", "--eval", "y.json")
+    assert (rep.run_dirs, rep.output, rep.eval) == (["a", "b"], "", ["x.json", "y.json"])

@@ -65,43 +65,40 @@ def test_the_plan_names_another_target_tokenizer_or_capture(tmp_path):
 
 
 def _dispatcher(rank: int, sent: list):
-    """``MessageDispatch`` + ``NodeEvents`` over stubs: a two-node topology (node 0: producer 0, node 1: producers
-    1 and 2 globally, 0 and 1 locally), a link that records what it sends, local producers that are alive."""
+    """``MessageDispatch`` over stubs: a two-node topology (node 0: producer 0, node 1: producers 1 and 2
+    globally, 0 and 1 locally), a link that records what it sends, local producers that are alive."""
+    from specring.supervisor.context import RunContext
     from specring.supervisor.dispatch import MessageDispatch
     from specring.supervisor.monitor import Child
-    from specring.supervisor.node_events import NodeEvents
 
-    class D(MessageDispatch, NodeEvents):
-        pass
-    d = D()
-    d.topo = NodeTopology(2, rank, [1, 2], [1, 1], "127.0.0.1:1", "p/", "/tmp/ckpt")
-    d.relay = None if rank == 0 else object()
-    d.dead_nodes = set()
-    d.link = SimpleNamespace(send=lambda msg, to=None: sent.append((to, msg)) or True)
-    d.producers = [Child("producer", i) for i in range(d.topo.producers[rank])]
-    for c in d.producers:
+    topo = NodeTopology(2, rank, [1, 2], [1, 1], "127.0.0.1:1", "p/", "/tmp/ckpt")
+    producers = [Child("producer", i) for i in range(topo.producers[rank])]
+    for c in producers:
         c.alive = lambda: True
-    d.consumers = []
-    d.coordinator = SimpleNamespace(generation=lambda role, index: 1)
-    d._send = lambda role, index, msg: sent.append(("child", role, index, msg)) or True
-    return d
+    context = RunContext(cfg=None, plan=None, run_dir=None, run_id="r", monitor=None, producers=producers,
+                         consumers=[], balance={}, coordinator=SimpleNamespace(generation=lambda role, index: 1))
+    nodes = SimpleNamespace(topo=topo, relay=None if rank == 0 else object(), dead_nodes=set(),
+                            link=SimpleNamespace(send=lambda msg, to=None: sent.append((to, msg)) or True))
+    d = MessageDispatch(context, nodes, records=None)
+    d.send = lambda role, index, msg: sent.append(("child", role, index, msg)) or True
+    return d, nodes
 
 
 def test_restart_of_another_nodes_producer_is_passed_to_its_node():
     sent = []
-    d0 = _dispatcher(0, sent)
+    d0, nodes0 = _dispatcher(0, sent)
     reply = d0._restart_elsewhere(2)
     assert reply.ok and reply.text.startswith("producer 2 is producer 1 of node 1: restart passed to node 1"), reply
     assert sent == [(1, m.NodeMsg(node=0, event="restart", role="producer", index=2))]
     assert not d0._restart_elsewhere(3).ok and "producers 0..2" in d0._restart_elsewhere(3).text
-    d0.dead_nodes.add(1)
+    nodes0.dead_nodes.add(1)
     r = d0._restart_elsewhere(1)
     assert not r.ok and "run `launch.py restart producer 0` on node 1" in r.text, r
 
     sent.clear()   # node 1 takes it: its local producer 1 restarts gracefully
-    d1 = _dispatcher(1, sent)
-    ok, text = d1._restart_producer(1)
-    assert ok and d1.producers[1].graceful_restart and sent[-1][:3] == ("child", "producer", 1)
+    d1, _ = _dispatcher(1, sent)
+    ok, text = d1.restart_producer(1)
+    assert ok and d1.context.producers[1].graceful_restart and sent[-1][:3] == ("child", "producer", 1)
     assert isinstance(sent[-1][3], m.Shutdown) and sent[-1][3].reason == "restart requested"
     r = d1._restart_elsewhere(2)
     assert not r.ok and "node 1 has producers 0..1 (local indices)" in r.text, r

@@ -203,7 +203,7 @@ def test_the_tau_evaluator_writes_the_records_it_wrote_before(tmp_path):
 
 
 def _summary_dict(**over) -> dict:
-    # as RunRecords._write_summary built it (nodes and report_to only when they apply)
+    # as RunRecords.write_summary built it (nodes and report_to only when they apply)
     d = {"exit_reason": "done", "run_id": "abc123", "planned_batches": 12, "trained_before_resume": 0,
          "trained_batches": 12, "duplicate_batches": 0, "lost_batches": 0, "remaining_batches": 0, "bad_batches": 0,
          "skipped_batches": 1, "updated_steps": 5, "restarts": {"0": 0, "1": 2}, "loss_first": 9.5,

@@ -4,6 +4,7 @@ once per peer and interval, as lines about bad peers already are (issue 27, kind
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import zmq
 
@@ -26,20 +27,14 @@ def test_node_link_send_failures_are_rate_limited(caplog):
         ctx.term()
 
 
-class _Dispatch(dispatch.MessageDispatch):
-    """Just what ``MessageDispatch._send`` uses: one node, a ROUTER that knows no peer."""
-
-    def __init__(self, router):
-        from specring.supervisor.peers import LogLimiter
-        self.topo = self.relay = None
-        self.router = router
-        self.log_limiter = LogLimiter(dispatch.LOG_EVERY_S)
-
-        class _Co:
-            @staticmethod
-            def generation(role, index):
-                return 1
-        self.coordinator = _Co()
+def _dispatch(router):
+    """A ``MessageDispatch`` with just what its ``send`` uses: one node, a ROUTER that knows no peer."""
+    class _Co:
+        @staticmethod
+        def generation(role, index):
+            return 1
+    context = SimpleNamespace(router=router, coordinator=_Co(), child=lambda role, index: None)
+    return dispatch.MessageDispatch(context, SimpleNamespace(topo=None, relay=None), records=None)
 
 
 def test_child_send_failures_are_rate_limited(caplog):
@@ -47,11 +42,11 @@ def test_child_send_failures_are_rate_limited(caplog):
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a peer that is not connected raises EHOSTUNREACH
     try:
-        d = _Dispatch(router)
+        d = _dispatch(router)
         with caplog.at_level(logging.WARNING, logger="specring.supervisor.dispatch"):
             for _ in range(200):
-                assert not d._send("consumer", 0, m.Shutdown(reason="done"))
-            assert not d._send("producer", 1, m.Shutdown(reason="done"))
+                assert not d.send("consumer", 0, m.Shutdown(reason="done"))
+            assert not d.send("producer", 1, m.Shutdown(reason="done"))
         lines = [r.getMessage() for r in caplog.records if "send_failed" in r.getMessage()]
         assert len(lines) == 2 and "to=consumer-0" in lines[0] and "to=producer-1" in lines[1], lines
     finally:

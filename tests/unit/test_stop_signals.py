@@ -41,12 +41,12 @@ def test_each_stop_signal_stops_the_supervisor_gracefully(supervisor, sig):
     old = install_stop_handlers(supervisor._on_signal)
     try:
         os.kill(os.getpid(), sig)
-        assert supervisor.stop_reason == "interrupted" and supervisor.signals == 1
+        assert supervisor.context.stop_reason == "interrupted" and supervisor.context.signals == 1
         if sig == signal.SIGHUP:   # the shell of a dropped ssh session passes the hang-up on: the same stop
             os.kill(os.getpid(), signal.SIGHUP)
-            assert supervisor.signals == 1
+            assert supervisor.context.signals == 1
         os.kill(os.getpid(), signal.SIGTERM if sig != signal.SIGTERM else signal.SIGQUIT)
-        assert supervisor.signals == 2   # a second, other signal: the hard stop
+        assert supervisor.context.signals == 2   # a second, other signal: the hard stop
     finally:
         restore_handlers(old)
 

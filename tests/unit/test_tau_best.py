@@ -2,6 +2,7 @@
 of equals) and its checkpoint directory when the run still holds it (supervisor/records.py)."""
 
 import json
+from types import SimpleNamespace
 
 from specring.supervisor.records import RunRecords
 
@@ -9,9 +10,7 @@ from specring.supervisor.records import RunRecords
 def _records(run_dir, recs):
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    rr = RunRecords.__new__(RunRecords)  # the mixin's eval.jsonl readers need only the run directory
-    rr.run_dir = run_dir
-    return rr
+    return RunRecords(SimpleNamespace(run_dir=run_dir))  # its eval.jsonl readers need only the run directory
 
 
 def test_tau_best_is_the_peak_with_its_checkpoint_and_not_the_last(tmp_path):
