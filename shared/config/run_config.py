@@ -33,17 +33,16 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
 from specring.shared import envs
-from specring.shared.drafters import DEFAULT_FAMILY
-from specring.shared.drafters import NAMES as DRAFTER_NAMES
+from specring.shared.config.families import DEFAULT_EAGLE3_TOPK, DEFAULT_FAMILY, FAMILIES
+from specring.shared.config.families import NAMES as DRAFTER_NAMES
 from specring.shared.errors import ConfigError
 from specring.shared.paths import DEFAULT_TARGET
 
 LABEL_SOURCES = ("target", "data")
 REPORT_BACKENDS = ("tensorboard", "wandb", "mlflow")   # --report-to (supervisor/reporting.py writes them)
-DRAFTERS = DRAFTER_NAMES            # the --drafter choices: every registered family (shared/drafters/__init__.py)
+DRAFTERS = DRAFTER_NAMES            # the --drafter choices: every registered family (shared/config/families.py)
 LOSSES = ("ce", "dpace")
 FUSED_CE = ("auto", "liger", "torch", "off")  # shared.drafters.linear_ce.resolve_linear_ce
-DEFAULT_EAGLE3_TOPK = 32             # top-K of the target's distribution an EAGLE-3 run learns by default
 
 
 MAX_SECONDS = 10**6                  # ~11.6 days: the longest duration any timeout or interval may ask for
@@ -455,8 +454,7 @@ class TrainerConfig:
     def __post_init__(self):
         check_fields(self)
         _require(len(self.devices) >= 1, "devices", "at least one consumer device is needed")
-        from specring.shared.drafters import get_family
-        _require(self.drafter not in DRAFTER_NAMES or not get_family(self.drafter).requires_target_labels
+        _require(self.drafter not in FAMILIES or not FAMILIES[self.drafter].requires_target_labels
                  or self.label_source == "target", "label_source",
                  f"drafter {self.drafter} learns the target's distribution, which the producers compute only with "
                  "label_source=target")
@@ -470,8 +468,7 @@ class TrainerConfig:
         run plan fills the field with it, so the saved configuration holds the number)."""
         if self.distill_topk is not None:
             return int(self.distill_topk)
-        from specring.shared.drafters import get_family
-        return get_family(self.drafter).default_distill_topk
+        return FAMILIES[self.drafter].default_distill_topk
 
     def resolved_gamma(self) -> float:
         """The loss-decay γ for this block size (DFlash paper defaults: 7 / 5 / 4 for B = 16 / 10 / 8)."""

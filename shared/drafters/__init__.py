@@ -1,10 +1,11 @@
 """The drafter registry: every drafter family specring trains, by its ``--drafter`` name.
 
-Each entry names the module that defines the family (a ``DrafterFamily`` subclass, ``shared/drafters/contract.py``)
-and the object in it; the module is imported on first use, so that reading the names (flags, help, config
-checks) imports no model code. Adding a family: write its module (config, model, objective, proposer, export)
-behind the contract and add one line here; nothing else in specring names a family (docs/DESIGN.md, "Drafter
-families").
+The families are declared in ``shared/config/families.py`` (``FAMILIES``: each entry names the module that
+defines the family, a ``DrafterFamily`` subclass of ``shared/drafters/contract.py``, and the object in it, with the
+facts the configuration checks); the module is imported on first use, so that reading the names (flags, help,
+config checks) imports no model code. Adding a family: write its module (config, model, objective, proposer,
+export) behind the contract and add one entry there; nothing else in specring names a family (docs/DESIGN.md,
+"Drafter families").
 """
 
 from __future__ import annotations
@@ -16,14 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from specring.shared.drafters.contract import DrafterFamily
 
-FAMILIES: dict[str, str] = {
-    "dflash": "specring.shared.drafters.dflash:FAMILY",
-    "dflash2": "specring.shared.drafters.dflash2:FAMILY",
-    "eagle3": "specring.shared.drafters.eagle3:FAMILY",
-}
-
-NAMES: tuple[str, ...] = tuple(FAMILIES)
-DEFAULT_FAMILY = "dflash"   # what --drafter means when it is not given (the shared.config.run_config default reads it)
+from specring.shared.config.families import DEFAULT_FAMILY, FAMILIES, NAMES  # noqa: F401 - the registry's names
 
 _loaded: dict[str, "DrafterFamily"] = {}
 
@@ -33,7 +27,7 @@ def get_family(name: str) -> "DrafterFamily":
     if name not in FAMILIES:
         raise ValueError(f"drafter: unknown drafter family {name!r} (known: {', '.join(NAMES)})")
     if name not in _loaded:
-        module, attr = FAMILIES[name].split(":")
+        module, attr = FAMILIES[name].module.split(":")
         _loaded[name] = getattr(importlib.import_module(module), attr)
     return _loaded[name]
 

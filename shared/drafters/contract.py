@@ -4,8 +4,9 @@ A *family* (DFlash, DFlash2, EAGLE-3, ...) is one ``DrafterFamily`` subclass in 
 named in the registry (``shared/drafters/__init__.py``). Everything outside the family's module reaches the
 family through that object: the trainer (``objective``, ``stats_layout``, ``step_metrics``), the τ evaluation and
 ``launch.py eval`` (``proposer``, ``untrained_like``), ``launch.py export`` (``export``, ``load_export``), run
-planning (``resolve_layer_ids``, ``plan_line``, ``requires_target_labels``, ``needs_draft_vocab``) and checkpoints
-(``name`` is the checkpoint's kind, ``config_file`` its config file). No module outside this package compares a
+planning (``resolve_layer_ids``, ``plan_line``, ``needs_draft_vocab``; the label source and top-K a family needs
+are declared with its name in ``shared/config/families.py``) and checkpoints (``name`` is the checkpoint's kind,
+``config_file`` its config file). No module outside this package compares a
 drafter-kind string (``tests/unit/test_house.py`` holds that).
 
 Statistics of a training step are named (``StepStats``), not positions in a float vector: the family declares
@@ -130,9 +131,7 @@ class DrafterFamily(ABC):
     config_file: ClassVar[str]             # the checkpoint's drafter-config file name
     export_architecture: ClassVar[str]     # config.json "architectures" of its serving format
     description: ClassVar[str]             # one line for --help
-    requires_target_labels: ClassVar[bool] = False   # learns the target's distribution (label_source=target)
     needs_draft_vocab: ClassVar[bool] = False        # the run builds a draft vocabulary (draft_vocab.safetensors)
-    default_distill_topk: ClassVar[int] = 0          # top-K of the target's distribution sent by producers
     acc_key: ClassVar[str] = "per_slot_acc"          # the metrics key of per-position accuracy
     uses_flex_attention: ClassVar[bool] = True       # the objective runs flex attention on CUDA (warm-up compiles it)
     needs_anchors: ClassVar[bool] = True             # trains on anchors (two adjacent loss tokens): the plan checks

@@ -2,8 +2,9 @@
 
 The model is ``shared/models/eagle3.py`` (``Eagle3Drafter``); its training-time-test loss is
 ``shared/drafters/eagle3_ttt.py``; its serving format (``LlamaForCausalLMEagle3``) ``shared/drafters/eagle3_export.py``.
-An EAGLE-3 run learns the target's distribution (``label_source=target``, top-``DEFAULT_EAGLE3_TOPK`` of it by
-default) over a draft vocabulary built from the run's data (``shared/drafters/draft_vocab.py``).
+An EAGLE-3 run learns the target's distribution (``label_source=target``,
+top-``shared.config.families.DEFAULT_EAGLE3_TOPK`` of it by default) over a draft vocabulary built from the run's data
+(``shared/drafters/draft_vocab.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from specring.shared.config.run_config import DEFAULT_EAGLE3_TOPK
 from specring.shared.drafters.contract import COMMON_STATS, DrafterFamily, ObjectiveContext, StepStats
 from specring.shared.drafters.dflash_blocks import to_device
 from specring.shared.drafters.eagle3_ttt import eagle3_loss
@@ -32,9 +32,7 @@ class Eagle3Family(DrafterFamily):
     config_file: ClassVar[str] = "eagle3_config.json"
     export_architecture: ClassVar[str] = "LlamaForCausalLMEagle3"
     description: ClassVar[str] = "eagle3 (one layer, training-time test, shared/models/eagle3.py)"
-    requires_target_labels: ClassVar[bool] = True
     needs_draft_vocab: ClassVar[bool] = True
-    default_distill_topk: ClassVar[int] = DEFAULT_EAGLE3_TOPK
     acc_key: ClassVar[str] = "per_step_acc"
     uses_flex_attention: ClassVar[bool] = False
     needs_anchors: ClassVar[bool] = False
