@@ -24,7 +24,7 @@ from specring.shared.run.run_dir import RunDir
 from specring.shared.run.run_records import RunStatus, StatusRow
 from specring.shared.transport import channel
 from specring.shared.transport import messages as m
-from specring.supervisor.context import RunContext
+from specring.supervisor.context import MAX_FRAMES_PER_TURN, RunContext, to_ledger
 from specring.supervisor.peers import CommandGate, LogLimiter
 
 if TYPE_CHECKING:
@@ -33,8 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.05  # how long the loop waits for a frame before it looks at the children
-MAX_FRAMES_PER_TURN = 500  # frames handled before the loop pumps, watches children and checks for a stop
 LOG_EVERY_S = 10.0  # one log line per peer and kind of rejection this often at most
 
 
@@ -258,25 +256,6 @@ class MessageDispatch:
             if isinstance(msg, m.Heartbeat) and ident and cx.child(ident[0], ident[1]) is not None \
                     and msg.role == ident[0] and msg.index == ident[1] and msg.generation == ident[2]:
                 cx.balance[(ident[0], ident[1])].update(ident[2], msg.stats)
-
-
-def to_ledger(co, records: RunRecords, world: int, role: str, msg) -> bool | None:
-    """Hand a child's ``SlotReady``/``BadBatch``/``SlotReleased``/``Trained`` to the coordinator ``co`` (a local
-    child's, or on node 0 another node's, indices global; a ``Trained`` through ``records``, ``world``: the run's
-    consumers on every node); returns whether it counts as the child's progress, None when it is not one of
-    those messages from that role."""
-    if isinstance(msg, m.SlotReady) and role == "producer":
-        return co.on_slot_ready(msg)
-    if isinstance(msg, m.BadBatch):
-        co.on_bad_batch(msg, from_consumer=(role == "consumer"))
-        return True
-    if isinstance(msg, m.SlotReleased) and role == "consumer":
-        co.on_slot_released(msg)
-        return True
-    if isinstance(msg, m.Trained) and role == "consumer":
-        records.on_trained(msg, world)
-        return True
-    return None
 
 
 def peer_name(peer: bytes) -> str:

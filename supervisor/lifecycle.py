@@ -24,8 +24,8 @@ from specring.shared.process.procs import kill_group, kill_orphans, terminate
 from specring.shared.transport import channel
 from specring.shared.transport import messages as m
 from specring.shared.transport.ring import Ring
-from specring.supervisor.context import RunContext
-from specring.supervisor.dispatch import POLL_S, MessageDispatch
+from specring.supervisor.context import POLL_S, SHUTDOWN_CAP_FACTOR, RunContext
+from specring.supervisor.dispatch import MessageDispatch
 from specring.supervisor.monitor import Child
 from specring.supervisor.records import RunRecords
 
@@ -36,8 +36,6 @@ log = logging.getLogger(__name__)
 
 ORPHAN_REAP_S = 3.0  # at the end, how long to wait for killed orphans to be reaped
 UNWATCHED_S = 2.0  # a turn of the loop longer than this is the supervisor's own stall (see credit_own_stall)
-# a consumer still heartbeating after shutdown is waited for at most this many shutdown_timeout_s
-SHUTDOWN_CAP_FACTOR = 5
 
 
 class ChildLifecycle:

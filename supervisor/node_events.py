@@ -15,10 +15,8 @@ from typing import Callable
 
 from specring.shared.errors import MessageError
 from specring.shared.transport import messages as m
-from specring.supervisor.context import RunContext
+from specring.supervisor.context import MAX_FRAMES_PER_TURN, POLL_S, SHUTDOWN_CAP_FACTOR, RunContext, to_ledger
 from specring.supervisor.coordinator import Coordinator
-from specring.supervisor.dispatch import MAX_FRAMES_PER_TURN, POLL_S, to_ledger
-from specring.supervisor.lifecycle import SHUTDOWN_CAP_FACTOR
 from specring.supervisor.records import RunRecords
 
 log = logging.getLogger(__name__)

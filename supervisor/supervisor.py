@@ -58,9 +58,9 @@ from specring.shared.transport.ring import (
     segment_name,
     sweep_stale,
 )
-from specring.supervisor.context import RunContext
+from specring.supervisor.context import MAX_FRAMES_PER_TURN, POLL_S, RunContext
 from specring.supervisor.coordinator import Coordinator
-from specring.supervisor.dispatch import MAX_FRAMES_PER_TURN, POLL_S, MessageDispatch
+from specring.supervisor.dispatch import MessageDispatch
 from specring.supervisor.lifecycle import ChildLifecycle
 from specring.supervisor.monitor import Child, HealthMonitor
 from specring.supervisor.node_events import NodeEvents

@@ -51,7 +51,7 @@ def family_of(obj: Any) -> "DrafterFamily":
 def family_of_export(export_dir: str | Path) -> "DrafterFamily":
     """The family whose serving format the export at ``export_dir`` is (its ``config.json`` ``architectures``).
     Raises ``ValueError`` naming the file when no registered family writes that architecture."""
-    from specring.shared.drafters.checkpoint import read_json
+    from specring.shared.json_file import read_json
     path = Path(export_dir) / "config.json"
     cfg = read_json(path)  # CorruptFile naming it when it is not JSON
     archs = (cfg.get("architectures") if isinstance(cfg, dict) else None) or []

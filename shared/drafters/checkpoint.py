@@ -47,6 +47,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from specring.shared.errors import CorruptFile
+from specring.shared.json_file import read_json  # noqa: F401 - checkpoint and export readers import it from here
 from specring.shared.process import faults
 from specring.shared.run.run_dir import LATEST_FILE, WEIGHTS_FILE, RunDir, latest_checkpoint
 
@@ -179,18 +180,6 @@ def read_safetensors(path: str | Path, device: str | torch.device = "cpu",
     except Exception as e:  # noqa: BLE001 - safetensors raises its own SafetensorError (and OSError, ValueError)
         raise CorruptFile(f"{path} is not a readable safetensors file ({path.stat().st_size} bytes: "
                           f"{type(e).__name__}: {e})", path=str(path)) from None
-
-
-def read_json(path: str | Path) -> Any:
-    """The JSON value of the file ``path``. Raises ``FileNotFoundError`` when it does not exist and
-    ``shared.errors.CorruptFile`` naming it when it is not UTF-8 JSON (empty, truncated, garbage)."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except FileNotFoundError:
-        raise
-    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise CorruptFile(f"{path} is not readable JSON ({type(e).__name__}: {e})", path=str(path)) from None
 
 
 def check_checkpoint_files(step_dir: str | Path) -> None:

@@ -199,3 +199,48 @@ def test_the_folder_walker_sees_a_circle(tmp_path, where):
     assert folder_cycle(graph) == ["a", "b", "a"]
     (shared / "b" / "y.py").write_text("from specring.shared import errors\n")
     assert folder_cycle(shared_folder_imports(shared)) is None
+
+
+def module_imports(root: Path, rooms=ROOMS) -> dict[str, dict[str, list[str]]]:
+    """``module -> imported module -> ["path:line", ...]`` among the modules of ``rooms`` under ``root`` (dotted
+    names without ``specring.``; a package is its ``__init__``), from every import, function-local ones and those
+    under ``if TYPE_CHECKING`` included; ``from PACKAGE import NAME`` is an import of the module ``PACKAGE.NAME``
+    when there is one, else of ``PACKAGE``."""
+    modules = {}
+    for room in rooms:
+        for path in sorted((root / room).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, dict[str, list[str]]] = {}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}".removeprefix("specring.") in modules
+                           else node.module for a in node.names]
+            for t in targets:
+                t = t.removeprefix("specring.")
+                if t in modules and t != name:
+                    graph.setdefault(name, {}).setdefault(t, []).append(f"{path.relative_to(root)}:{node.lineno}")
+    return graph
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    """No module circle anywhere in the rooms (issue 26), counting the imports a module makes only inside a function
+    or for type checking: each module can be read knowing only the modules below it."""
+    graph = module_imports(REPO)
+    cycle = folder_cycle(graph)
+    where = [f"  {a} -> {b}: {', '.join(graph[a][b][:3])}" for a, b in zip(cycle, cycle[1:])] if cycle else []
+    assert cycle is None, "modules in a circle: " + " -> ".join(cycle or []) + "\n" + "\n".join(where)
+
+
+def test_the_module_walker_sees_a_circle_through_a_lazy_import(tmp_path):
+    (tmp_path / "shared" / "p").mkdir(parents=True)
+    (tmp_path / "shared" / "p" / "__init__.py").write_text("def f():\n    from specring.shared.p.q import g\n")
+    (tmp_path / "shared" / "p" / "q.py").write_text("from specring.shared.p import f\n")
+    (tmp_path / "shared" / "r.py").write_text("from specring.shared.p import q\n")
+    graph = module_imports(tmp_path, rooms=("shared",))
+    assert graph["shared.r"] == {"shared.p.q": ["shared/r.py:1"]}
+    assert folder_cycle(graph) == ["shared.p", "shared.p.q", "shared.p"]
