@@ -227,8 +227,9 @@ class Trainer:
         ``cfg.feature_noise`` and ``rms`` each token's root mean square over each layer's ``H`` features (layers
         differ in scale), in float32, returned in ``hidden``'s dtype. The noise comes from a generator seeded by
         ``(cfg.seed, micro_step)``, so a resumed run draws the same noise. The regulariser of EAGLE's training
-        (SafeAILab/EAGLE, ``eagle/train/main.py``, ``AddUniformNoise``: uniform noise added to the target's
-        features), scaled here by the features' own size instead of a constant over the sequence length."""
+        (SafeAILab/EAGLE @41d8abb, ``eagle/train/main.py``, ``AddUniformNoise``: ``(rand - 0.5) * std * 512 / T``
+        added to the target's features, std 0.2), scaled here by the features' own size instead of a constant
+        over the sequence length ``T``."""
         t, width = hidden.shape
         layers = self.dcfg.num_target_layers
         h = hidden.float().reshape(t, layers, width // layers)

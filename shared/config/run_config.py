@@ -18,8 +18,9 @@ declaration come:
 ``RunConfig.to_dict()`` / ``RunConfig.from_dict()`` are the serialised form that is passed to child
 processes and stored in the run directory (``config.json``).
 
-The other commands' options (``eval``, ``export``, ``regenerate``, ``prepare``) are declared the same way, in
-``specring.shared.commands.command_config``; ``option_specs`` walks such a class as ``field_specs`` walks ``RunConfig``.
+The other commands' options (``eval``, ``export``, ``regenerate``, ``prepare``, ``status``, ``restart``, ``clean``,
+``report``) are declared the same way, in ``specring.shared.commands.command_config``; ``option_specs`` walks such a
+class as ``field_specs`` walks ``RunConfig``.
 """
 
 from __future__ import annotations
