@@ -78,8 +78,9 @@ class FakeCoordinator:
         address = RunDir(self.dir).coordinator_address()
         self.sock = channel.bind_router(self.zctx, address)
         self.ring = Ring.create(ring.segment_name(self.run_id, "p0"), num_slots=2, slot_bytes=slot_bytes)
-        procs.Topology(run_id=self.run_id, address=address, rings=[self.ring.name], slot_bytes=self.ring.slot_bytes,
-                       num_slots=2, supervisor_pid=os.getpid()).save(self.dir)
+        RunDir(self.dir).write_topology(procs.Topology(
+            run_id=self.run_id, address=address, rings=[self.ring.name], slot_bytes=self.ring.slot_bytes,
+            num_slots=2, supervisor_pid=os.getpid()))
         self.log = os.path.join(self.dir, "producer-0.log")
         self.proc = procs.spawn_child("specring.producers.main", self.dir, 0, generation, self.log, env=env)
         self.peer = None
