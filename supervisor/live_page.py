@@ -20,6 +20,7 @@ import html
 import http.server
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -193,8 +194,9 @@ def make_server(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, ref
 
 
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, refresh_s: float = 5.0) -> int:
-    """Serve the live page of ``run_dir`` until interrupted (Ctrl-C: the process ends at once with exit code 0, its
-    handler threads not waited for); prints its URL first. Exit code 2 when the address cannot be bound."""
+    """Serve the live page of ``run_dir`` until interrupted (Ctrl-C or SIGTERM, even when inherited as ignored: the
+    process ends at once with exit code 0, its handler threads not waited for); prints its URL first. Exit code 2 when
+    the address cannot be bound."""
     try:
         server, url = make_server(run_dir, host, port, refresh_s)
     except OSError as e:
@@ -204,6 +206,10 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, refresh_s
         f" (listening on {host}: anyone who can reach it and has the URL sees the run)"
     print(f"live page of {run_dir}: {url}{where}; read-only, refreshed every {refresh_s:g} s; Ctrl-C stops",
           flush=True)
+    # Ctrl-C and SIGTERM stop it even where the parent started it with SIGINT ignored (a shell's background job,
+    # nohup): Python then keeps SIGINT ignored and a KeyboardInterrupt never comes.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:
