@@ -235,6 +235,19 @@ class FeatureProposer:
             raise ValueError(f"{type(self).__name__}.add_context: the drafter needs target features (got None)")
         self._pending.append((features, positions))
 
+    def _take_context(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The queued context on the drafter's device, emptied: ``(features [C, F], positions [C] long)``, both
+        empty (``C = 0``, ``F`` the drafter's ``fc`` input width) when nothing was queued."""
+        dev = self.drafter.fc.weight.device
+        if self._pending:
+            feats = torch.cat([f for f, _ in self._pending]).to(dev)
+            pos = torch.cat([q for _, q in self._pending]).to(dev)
+        else:
+            feats = torch.empty(0, self.drafter.fc.in_features, device=dev)
+            pos = torch.empty(0, dtype=torch.long, device=dev)
+        self._pending = []
+        return feats, pos
+
 
 class DFlashProposer(FeatureProposer):
     """Proposer over a ``DFlashDrafter``: keeps its ``DraftCache`` and the context not yet fed to it.
@@ -252,20 +265,12 @@ class DFlashProposer(FeatureProposer):
         self.cache: DraftCache | None = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-
     def _block_logits(self, tokens: list[int], k: int) -> torch.Tensor:
         """Feed the queued context and draft one block of ``k + 1`` after the anchor ``tokens[-1]``: the
         drafter's ``[k, V]`` float32 logits of block rows ``1..k`` (``k >= 1``)."""
-        dev = self.drafter.fc.weight.device
-        if self._pending:
-            feats = torch.cat([f for f, _ in self._pending]).to(dev)
-            pos = torch.cat([p for _, p in self._pending]).to(dev)
-        else:
-            feats = torch.empty(0, self.drafter.fc.in_features, device=dev)
-            pos = torch.empty(0, dtype=torch.long, device=dev)
+        feats, pos = self._take_context()
         logits, self.cache = self.drafter.draft_block(feats, pos, int(tokens[-1]), len(tokens) - 1,
                                                       self.cache, block_size=k + 1)
-        self._pending = []
         return logits[1:]
 
     @torch.no_grad()
@@ -290,7 +295,7 @@ class DFlashProposer(FeatureProposer):
         return pick.tokens, pick.q()
 
 
-class DFlash2Proposer:
+class DFlash2Proposer(FeatureProposer):
     """Proposer over a ``DFlash2Drafter`` (the interface of ``shared.models.speculative``): the block's unary
     logits and hidden states, then the candidate selector's walk from the anchor. ``block_size`` (default: the
     drafter's) bounds the drafts per step to ``block_size - 1``."""
@@ -304,31 +309,13 @@ class DFlash2Proposer:
         self.cache = None
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def reset(self, prompt_ids: list[int]) -> None:
-        """Forget the previous prompt's cache and queued context."""
-        self.cache = None
-        self._pending = []
-
-    def add_context(self, features: torch.Tensor | None, positions: torch.Tensor) -> None:
-        """Queue verified context ``features [C, n*H]`` at ``positions [C]``; ``ValueError`` for None."""
-        if features is None:
-            raise ValueError("DFlash2Proposer.add_context: the drafter needs target features (got None)")
-        self._pending.append((features, positions))
-
     def _walk(self, tokens: list[int], k: int, temperature: float, generator, probs=None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        dev = self.drafter.fc.weight.device
-        if self._pending:
-            feats = torch.cat([f for f, _ in self._pending]).to(dev)
-            pos = torch.cat([p for _, p in self._pending]).to(dev)
-        else:
-            feats = torch.empty(0, self.drafter.fc.in_features, device=dev)
-            pos = torch.empty(0, dtype=torch.long, device=dev)
+        feats, pos = self._take_context()
         path, cand, q, self.cache = self.drafter.propose_block(feats, pos, int(tokens[-1]), len(tokens) - 1,
                                                                self.cache, block_size=k + 1,
                                                                temperature=temperature, generator=generator,
                                                                probs=probs)
-        self._pending = []
         return path, cand, q
 
     @torch.no_grad()
