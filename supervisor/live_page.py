@@ -18,7 +18,6 @@ from __future__ import annotations
 import hmac
 import html
 import http.server
-import os
 import secrets
 import signal
 import sys
@@ -26,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+from specring.shared.process.procs import install_stop_handlers
 from specring.shared.run import run_dir as rd
 from specring.shared.run.run_dir import RunDir
 from specring.shared.run.run_records import StatusRow
@@ -194,9 +194,9 @@ def make_server(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, ref
 
 
 def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, refresh_s: float = 5.0) -> int:
-    """Serve the live page of ``run_dir`` until interrupted (Ctrl-C or SIGTERM, even when inherited as ignored: the
-    process ends at once with exit code 0, its handler threads not waited for); prints its URL first. Exit code 2 when
-    the address cannot be bound."""
+    """Serve the live page of ``run_dir`` until a signal of ``shared.process.procs.STOP_SIGNALS`` (Ctrl-C, even
+    when the parent left SIGINT ignored: exit code 0); prints its URL first. Exit code 2 when the address cannot be
+    bound."""
     try:
         server, url = make_server(run_dir, host, port, refresh_s)
     except OSError as e:
@@ -206,19 +206,13 @@ def serve(run_dir: str | Path, host: str = "127.0.0.1", port: int = 0, refresh_s
         f" (listening on {host}: anyone who can reach it and has the URL sees the run)"
     print(f"live page of {run_dir}: {url}{where}; read-only, refreshed every {refresh_s:g} s; Ctrl-C stops",
           flush=True)
-    # Ctrl-C and SIGTERM stop it even where the parent started it with SIGINT ignored (a shell's background job,
-    # nohup): Python then keeps SIGINT ignored and a KeyboardInterrupt never comes.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # the stop signals end it even where the parent started it with SIGINT ignored (a shell's background job,
+    # nohup): Python then keeps SIGINT ignored and a KeyboardInterrupt never comes
+    install_stop_handlers(signal.default_int_handler)
     try:
         server.serve_forever(poll_interval=0.5)
     except KeyboardInterrupt:
         pass
     finally:
         server.server_close()
-    # A page being built for a browser's request (a handler thread in matplotlib, seconds on a loaded machine) or a
-    # browser's idle preconnection must not hold the exit: the server writes nothing, so nothing is lost by ending
-    # the process here without waiting for those threads.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    return 0
