@@ -109,35 +109,20 @@ def test_every_registered_family_keeps_the_contract():
 
 def shared_folder_imports(shared: Path) -> dict[str, dict[str, list[str]]]:
     """``folder -> imported folder -> ["path:line", ...]`` among the folders of ``shared`` (its direct
-    subfolders; the top-level modules of a folder count as that folder, those of ``shared`` itself as ``"."``), from
-    every import of every module, function-local ones and those under ``if TYPE_CHECKING`` included."""
-    def node_of(parts: list[str]) -> str | None:
-        """The folder a module path inside shared (``["drafters", "checkpoint"]``) belongs to."""
-        if not parts:
-            return None
-        return parts[0] if (shared / parts[0]).is_dir() else "."
+    subfolders; the top-level modules of a folder count as that folder, those of ``shared`` itself as ``"."``): the
+    module graph of ``module_imports`` over ``shared`` alone, its modules taken by folder."""
+    def folder(module: str) -> str:
+        parts = module.split(".")[1:]  # "shared.drafters.checkpoint" -> ["drafters", "checkpoint"]
+        return parts[0] if parts and (shared / parts[0]).is_dir() else "."
 
     graph: dict[str, dict[str, list[str]]] = {}
-    for path in sorted(shared.rglob("*.py")):
-        rel = path.relative_to(shared)
-        here = rel.parts[0] if len(rel.parts) > 1 else "."
-        package = ["specring", "shared", *rel.parts[:-1]]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name.split(".") for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = (package[:len(package) - node.level + 1] if node.level else [])
-                module = base + (node.module.split(".") if node.module else [])
-                # `from specring.shared import errors`, `from specring.shared.run import run_dir`: the names are modules
-                targets = [module + [a.name] for a in node.names] if len(module) <= 3 else [module]
-            for parts in targets:
-                if parts[:2] != ["specring", "shared"]:
-                    continue
-                there = node_of(parts[2:])
-                if there is not None and there != here:
-                    graph.setdefault(here, {}).setdefault(there, []).append(f"{path.relative_to(shared.parent)}:"
-                                                                             f"{node.lineno}")
+    for a, targets in module_imports(shared.parent, rooms=("shared",)).items():
+        for b, where in targets.items():
+            if folder(a) != folder(b):
+                graph.setdefault(folder(a), {}).setdefault(folder(b), []).extend(where)
+    for targets in graph.values():
+        for b in targets:
+            targets[b] = sorted(set(targets[b]), key=lambda w: (w.rsplit(":", 1)[0], int(w.rsplit(":", 1)[1])))
     return graph
 
 
@@ -203,8 +188,8 @@ def test_the_folder_walker_sees_a_circle(tmp_path, where):
 
 def module_imports(root: Path, rooms=ROOMS) -> dict[str, dict[str, list[str]]]:
     """``module -> imported module -> ["path:line", ...]`` among the modules of ``rooms`` under ``root`` (dotted
-    names without ``specring.``; a package is its ``__init__``), from every import, function-local ones and those
-    under ``if TYPE_CHECKING`` included; ``from PACKAGE import NAME`` is an import of the module ``PACKAGE.NAME``
+    names without ``specring.``; a package is its ``__init__``), from every import, function-local, relative and
+    ``if TYPE_CHECKING`` ones included; ``from PACKAGE import NAME`` is an import of the module ``PACKAGE.NAME``
     when there is one, else of ``PACKAGE``."""
     modules = {}
     for room in rooms:
@@ -213,15 +198,16 @@ def module_imports(root: Path, rooms=ROOMS) -> dict[str, dict[str, list[str]]]:
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     graph: dict[str, dict[str, list[str]]] = {}
     for name, path in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}".removeprefix("specring.") in modules
-                           else node.module for a in node.names]
-            for t in targets:
-                t = t.removeprefix("specring.")
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package[:len(package) - node.level + 1]) if node.level else ""
+                module = ".".join(x for x in (base, node.module or "") if x).removeprefix("specring.")
+                targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module for a in node.names]
+            for t in dict.fromkeys(t.removeprefix("specring.") for t in targets):
                 if t in modules and t != name:
                     graph.setdefault(name, {}).setdefault(t, []).append(f"{path.relative_to(root)}:{node.lineno}")
     return graph
