@@ -5,7 +5,7 @@
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_drafter.sh [steps...]
 #   A schedule longer than one 10-minute device call: FINAL_STEPS=9600 FINAL_S=420 ... regen final, then on the still
 #   warm machine FINAL_S=540 ... final_resume (repeat while steps remain), then ... final_eval.
-#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 scale peers (default: bench regen baselines
+#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 scale recipe20 peers (default: bench regen baselines
 #   sweep). peers: benchmarks/peers.py (Model-Optimizer's and speculators' DFlash trainers, PEERS_MIN minutes each, the
 #   wheels of .whl/ installed into /tmp/site: the device call carries .whl); PEERS=modelopt / PEERS=speculators in two
 #   calls on the warm machine fit the 10-minute limit, the table accumulates in /tmp/specring-peers/results.jsonl.
@@ -151,6 +151,24 @@ if has scale; then  # issue 23: data at scale (every 128 tokens a prompt), draft
         --output-json "$OUT/eval_$r.json"
     done
   fi
+fi
+if has recipe20; then  # issue 23: the whole recipe inside 20 GPU-minutes (regenerate + train), then the standard eval
+  echo "=== recipe20 (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
+  R20=data/demo/regen_s${R20_STRIDE:-64}.arrow; R0=$(date +%s)
+  step regen_r20 ${R20_REGEN_S:-500} python3 launch.py regenerate --target assets/tiny-code-lm \
+    --input data/demo/train.arrow --output $R20 --max-new-tokens 256 --prefix-len 256 --stride ${R20_STRIDE:-64} \
+    --batch-size 2048 --shard-size 2048 --devices cuda:0 --no-progress
+  python3 -c "import json; m=json.load(open('$R20'.replace('.arrow','.json'))); print('regen_r20', \
+{k: m.get(k) for k in ('num_samples','num_tokens','generated_tokens','seconds')})" >> "$LOG" 2>&1
+  LEFT=$(( ${R20_BUDGET_S:-1200} - ($(date +%s) - R0) ))  # training gets what regeneration left of the budget
+  echo "recipe20 training budget ${LEFT}s" | tee -a "$LOG"
+  train_for recipe20 $LEFT --producers cuda:0,cuda:0 --consumers cuda:0 --run-dir runs/recipe20 --data $R20 \
+    --label-source target --target-layers 1,3,5,6,7 --lr 2e-3 --max-steps ${R20_STEPS:-12000} \
+    --checkpoint-every ${R20_CKPT:-1500} --heldout data/demo/heldout.arrow --eval-prompts 24 --eval-prompt-len 256 \
+    --eval-max-new-tokens 256 "${ATTN_CFG[@]}"
+  summarize recipe20
+  step recipe20_eval ${R20_EVAL_S:-300} python3 launch.py eval --drafter runs/recipe20 --baselines prompt-lookup \
+    --output-json "$OUT/recipe20_eval.json"
 fi
 if has peers; then  # issue 23 item 5: the peers' DFlash trainers, same data and minutes, tau by launch.py eval
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \

@@ -39,6 +39,10 @@ class CheckpointEvaluator:
     caller logs it; training goes on).
     Costs one extra copy of the target's weights on the consumer's device (in the evaluator process).
 
+    On a GPU all prompts decode together (``batch_size``: ``shared.models.batched_decode``, the rows batched as
+    ``launch.py eval`` does; ``on_prompt`` is then called once, after the group); on the CPU one at a time (a
+    batched forward there costs what its rows cost, and the per-prompt heartbeat stays).
+
     ``$SPECRING_SLOW_EVAL_S`` (tests and drills only, ``shared.process.faults``) sleeps that many seconds after each
     prompt.
     """
@@ -50,6 +54,11 @@ class CheckpointEvaluator:
         self.prompt_len = prompt_len
         self.target = None
         self.prompts: list[list[int]] = []
+
+    @property
+    def batch_size(self) -> int:
+        """Prompts decoded together: all of them on a GPU, 1 on the CPU."""
+        return max(1, len(self.prompts)) if self.device.type == "cuda" else 1
 
     def load(self) -> None:
         """Load the target and the prompts (once); raises ``ConfigError`` if the target does not load."""
@@ -86,7 +95,7 @@ class CheckpointEvaluator:
                 raise RuntimeError(f"{faults.FAIL_EVAL_ENV}=1: this tau evaluation fails on purpose")
             with stance("force_eager") if stance is not None else contextlib.nullcontext():
                 r = evaluate_tau(self.target, drafter, self.prompts, tc.eval_max_new_tokens, pc.target_layer_ids,
-                                 on_prompt=after_prompt)
+                                 on_prompt=after_prompt, batch_size=self.batch_size)
         except Exception as e:
             self.record_failure(step, e, eval_s=time.perf_counter() - t0)
             raise
