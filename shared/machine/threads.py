@@ -99,13 +99,15 @@ class ThreadTuner:
 
     ``candidates``: the thread counts to choose from (e.g. ``[2, 1]``; one candidate: nothing to tune); it starts on
     the smallest (``current``: the caller sets it first), which is never the disaster that too many threads on a
-    busy machine are. Each round measures every candidate, smallest first, on ``probe_steps`` steps (a candidate
-    ``REJECT_FACTOR`` slower than one already measured on its first step gets no more: on a busy machine two threads
-    can be 5x slower, and every step spent finding it out is lost) and keeps the one with the least seconds per
-    unit of work (median); the next round comes ``hold_steps`` steps later, four times as late each time the same
-    candidate wins again (at most ``max_hold_steps``), ``hold_steps`` after a change. The first round starts at the
-    first ``record``. ``record(seconds, work)`` after each step (``seconds`` of compute, ``work`` e.g. its tokens;
-    both > 0) returns the thread count to set now, or None to keep the current one.
+    busy machine are. Each round first scouts: every candidate, smallest first, gets one step, and a candidate
+    ``REJECT_FACTOR`` slower per unit of work than the fastest scouted one is out of the round (on a busy machine
+    two threads can be 5x slower, on a quiet one one thread 1.7x slower: every step spent finding out is lost, so
+    a clear difference costs one step of the loser). When more than one is left, each of them is measured until
+    it has ``probe_steps`` steps, and the one with the least seconds per unit of work (median) is kept. The next
+    round comes ``hold_steps`` steps later, four times as late each time the same candidate wins again (at most
+    ``max_hold_steps``), ``hold_steps`` after a change. The first round starts at the first ``record``.
+    ``record(seconds, work)`` after each step (``seconds`` of compute, ``work`` e.g. its tokens; both > 0) returns
+    the thread count to set now, or None to keep the current one.
     """
 
     def __init__(self, candidates: list[int], probe_steps: int = 3, hold_steps: int = 50, max_hold_steps: int = 800):
@@ -135,16 +137,18 @@ class ThreadTuner:
                 return None
             self.round, self.samples = list(self.candidates), {}
             return self._switch(self.round[0])
-        got = self.samples.setdefault(self.current, [])
-        got.append(seconds / work)
-        known = [v[len(v) // 2] for c, v in self.samples.items() if c != self.current and len(v) >= self.probe_steps]
-        if known and seconds / work > REJECT_FACTOR * min(known):
-            pass  # clearly slower on its first step: no more steps spent on it this round
-        elif len(got) < self.probe_steps:
+        self.samples.setdefault(self.current, []).append(seconds / work)
+        unscouted = [c for c in self.round if c not in self.samples]
+        if unscouted:
+            return self._switch(unscouted[0])
+        fastest = min(v[0] for v in self.samples.values())
+        self.round = [c for c in self.round if self.samples[c][0] <= REJECT_FACTOR * fastest]
+        if self.current in self.round and len(self.round) > 1 and len(self.samples[self.current]) < self.probe_steps:
             return None
-        rest = [c for c in self.round if c not in self.samples]
-        if rest:
-            return self._switch(rest[0])
+        short = [c for c in self.round if len(self.samples[c]) < self.probe_steps] if len(self.round) > 1 else []
+        if short:
+            return self._switch(short[0])
+        self.samples = {c: v for c, v in self.samples.items() if c in self.round}
         self.last = {c: sorted(v)[len(v) // 2] for c, v in self.samples.items()}
         best = min(self.last, key=self.last.get)
         self.hold = min(4 * self.hold, self.max_hold) if best == self.best else self.base_hold

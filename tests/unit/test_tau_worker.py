@@ -194,12 +194,14 @@ def test_thread_tuner_keeps_the_faster_count_and_measures_again():
     assert current == 1
     for step in range(120):
         if step == 60:
+            best_before = t.best
             speed = {2: 3.0, 1: 2.0}
         n = t.record(speed[current], 1.0)
         if n is not None:
             switches.append((step, n))
             current = n
-    assert switches[0] == (1, 2), switches  # 1 thread measured twice, then 2 (measured twice): kept
+    assert switches[0] == (0, 2), switches  # 1 thread scouted on one step, then 2: 1 is 2x slower, out; 2 kept
+    assert best_before == 2
     assert t.current == 1 and t.best == 1, (t.last, switches)
     assert all(n in (1, 2) for _, n in switches) and t.rounds >= 5
     assert not ThreadTuner([1]).active and ThreadTuner([1]).record(1.0, 1.0) is None
@@ -214,3 +216,27 @@ def test_thread_tuner_spends_one_step_on_a_count_far_slower():
         current = n if n is not None else current
     assert t.best == 1 and current == 1
     assert at_two == 2, at_two  # one step in each of the two rounds (at the start and 50 steps later)
+
+
+def test_thread_tuner_spends_one_step_on_one_thread_when_two_are_clearly_faster():
+    """The quiet machine's case (one thread 1.7x slower): the start on one thread costs a single step a round."""
+    t = ThreadTuner([2, 1], probe_steps=3, hold_steps=50)
+    speed, current, at_one = {1: 1.7, 2: 1.0}, t.current, 0
+    for _ in range(200):
+        at_one += current == 1
+        n = t.record(speed[current], 1.0)
+        current = n if n is not None else current
+    assert t.best == 2 and current == 2
+    assert at_one == 2, at_one  # the scout step of each of the two rounds
+
+
+def test_thread_tuner_measures_close_counts_on_probe_steps_each():
+    """Counts within REJECT_FACTOR of each other: both get probe_steps steps, the median decides."""
+    t = ThreadTuner([2, 1], probe_steps=3, hold_steps=50)
+    steps = {1: [1.00, 1.20, 1.21], 2: [1.10, 1.05, 1.06]}
+    current, seen = t.current, {1: 0, 2: 0}
+    while t.rounds == 0:
+        n = t.record(steps[current][seen[current]], 1.0)
+        seen[current] += 1
+        current = n if n is not None else current
+    assert seen == {1: 3, 2: 3} and t.best == 2 and current == 2, (seen, t.last)
