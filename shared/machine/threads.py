@@ -148,9 +148,8 @@ class ThreadTuner:
         short = [c for c in self.round if len(self.samples[c]) < self.probe_steps] if len(self.round) > 1 else []
         if short:
             return self._switch(short[0])
-        self.samples = {c: v for c, v in self.samples.items() if c in self.round}
-        self.last = {c: sorted(v)[len(v) // 2] for c, v in self.samples.items()}
-        best = min(self.last, key=self.last.get)
+        self.last = {c: sorted(v)[len(v) // 2] for c, v in self.samples.items()}  # the scouted-out ones too (log)
+        best = min(self.round, key=self.last.get)
         self.hold = min(4 * self.hold, self.max_hold) if best == self.best else self.base_hold
         self.best, self.hold_left, self.rounds = best, self.hold, self.rounds + 1
         log.info("threads_tuned intra=%d round=%d s_per_kwork=%s next_round_in_steps=%d", best, self.rounds,
