@@ -59,6 +59,10 @@ summarize() {  # summarize RUN...: loss/accuracy/tau curves of finished runs int
     python3 benchmarks/run_curves.py runs/$r >> "$LOG" 2>&1
   done
 }
+regen_summary() {  # regen_summary LABEL FILE.arrow: the regeneration's sidecar figures into the log
+  python3 -c "import json, sys; m = json.load(open(sys.argv[2].replace('.arrow', '.json'))); print(sys.argv[1], \
+{k: m.get(k) for k in ('num_samples', 'num_tokens', 'generated_tokens', 'seconds')})" "$1" "$2" >> "$LOG" 2>&1
+}
 train_for() {  # train_for NAME SECONDS FLAGS...: one launch.py train into $OUT/run_NAME.txt, SIGINT after SECONDS
   local name=$1 t=$2; shift 2
   python3 launch.py train "$@" > "$OUT/run_$name.txt" 2>&1 &
@@ -132,8 +136,7 @@ if has scale; then  # issue 23: data at scale (every 128 tokens a prompt), draft
   step regen_scale ${SCALE_REGEN_S:-420} python3 launch.py regenerate --target assets/tiny-code-lm \
     --input data/demo/train.arrow --output $SREGEN --max-new-tokens 256 --prefix-len 256 --stride ${SCALE_STRIDE:-128} \
     --batch-size ${SCALE_BATCH:-2048} --shard-size ${SCALE_SHARD:-2048} --devices cuda:0 --no-progress
-  python3 -c "import json,sys; m=json.load(open('$SREGEN'.replace('.arrow','.json'))); print('regen_scale', \
-{k: m.get(k) for k in ('num_samples','num_tokens','generated_tokens','seconds')})" >> "$LOG" 2>&1
+  regen_summary regen_scale $SREGEN
   SEVAL=(--heldout data/demo/heldout.arrow --eval-prompts ${SCALE_EVAL_PROMPTS:-8} --eval-prompt-len 256 \
     --eval-max-new-tokens 256)
   run3() { local name=$1; shift; python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name \
@@ -158,8 +161,7 @@ if has recipe20; then  # issue 23: the whole recipe inside 20 GPU-minutes (regen
   step regen_r20 ${R20_REGEN_S:-500} python3 launch.py regenerate --target assets/tiny-code-lm \
     --input data/demo/train.arrow --output $R20 --max-new-tokens 256 --prefix-len 256 --stride ${R20_STRIDE:-64} \
     --batch-size 2048 --shard-size 2048 --devices cuda:0 --no-progress
-  python3 -c "import json; m=json.load(open('$R20'.replace('.arrow','.json'))); print('regen_r20', \
-{k: m.get(k) for k in ('num_samples','num_tokens','generated_tokens','seconds')})" >> "$LOG" 2>&1
+  regen_summary regen_r20 $R20
   LEFT=$(( ${R20_BUDGET_S:-1200} - ($(date +%s) - R0) ))  # training gets what regeneration left of the budget
   echo "recipe20 training budget ${LEFT}s" | tee -a "$LOG"
   train_for recipe20 $LEFT --producers cuda:0,cuda:0 --consumers cuda:0 --run-dir runs/recipe20 --data $R20 \
