@@ -60,6 +60,23 @@ def drafter_config_from_run(run: RunConfig):
     return get_family(run.trainer.drafter).config_from_run(run)
 
 
+def compile_shape_scope() -> contextlib.AbstractContextManager:
+    """The shape rule under which the draft layers (``layer.compile(dynamic=True)``) and flex attention are
+    traced: TorchDynamo's *duck sizing* off. With it on, two input dimensions of equal size at the first trace
+    share one symbol and the graph is guarded on their equality; the warm-up's context of 128 positions then
+    equals the fixture's 128 key/value features (2 heads x 64), so the first real batch, whose context differs,
+    failed the guard ``ctx_kv[1]._base.size()[1] == ctx_kv[0].size()[1]`` and recompiled (about 20 s on the
+    H200), and any later coincidence of two sizes could do the same mid-run. Each dimension gets its own symbol
+    instead: one graph serves every batch shape (test: tests/unit/test_trainer.py). The switch is
+    ``torch.fx.experimental._config.use_duck_shape``, which dynamo's recompile log itself names (PyTorch,
+    ``torch/_dynamo/guards.py``); on a torch without it this is a no-op."""
+    try:
+        from torch.fx.experimental import _config as fx_config
+        return fx_config.patch(use_duck_shape=False)
+    except (ImportError, AttributeError, TypeError):  # a torch without the switch: duck sizing as it is
+        return contextlib.nullcontext()
+
+
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """Linear warm-up over ``warmup_steps`` (from ``1/warmup``), then cosine from 1 to ``min_lr_ratio``
     at ``total_steps``; constant ``min_lr_ratio`` after it."""
@@ -175,7 +192,7 @@ class Trainer:
         self.compiled = bool(compile_layers)
         if self.compiled:
             for layer in self.family.compiled_modules(self.model):  # in place: parameter names are unchanged
-                layer.compile(dynamic=True)  # one graph for every batch shape: no recompile mid-run
+                layer.compile(dynamic=True)  # one graph for every batch shape (compile_shape_scope)
         self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
@@ -220,7 +237,8 @@ class Trainer:
         if backward and self.cfg.feature_noise > 0:
             batch = dataclasses.replace(batch, hidden=self._noised(batch.hidden))
         self.objective_ctx.attention = self.attention
-        return self.family.objective(self.objective_ctx, batch, batch_ids, t, backward)
+        with compile_shape_scope():  # compiles happen inside (warm-up, a new shape): one shape rule for all
+            return self.family.objective(self.objective_ctx, batch, batch_ids, t, backward)
 
     def _noised(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [T, L*H]`` (the captured layers side by side) plus uniform noise ``U(-a, a) * rms``, ``a`` =
@@ -268,19 +286,30 @@ class Trainer:
         return time.perf_counter() - t0
 
     def _warm_up_once(self) -> None:
-        n = 2 * self.cfg.block_size + 2
-        width = self.dcfg.num_target_layers * getattr(self.dcfg, "target_hidden_size", self.dcfg.hidden_size)
-        token = self.family.warm_up_token(self.dcfg)
-        ids = torch.full((2 * n,), token, dtype=torch.int32, device=self.device)
-        batch = SlotBatch(hidden=torch.zeros(2 * n, width, device=self.device), input_ids=ids,
-                          loss_mask=torch.ones(2 * n, dtype=torch.uint8, device=self.device),
-                          cu_seqlens=torch.tensor([0, n, 2 * n], dtype=torch.int32),
-                          target_ids=ids.clone() if self.cfg.label_source == "target" else None)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            self._forward_backward(batch, [-1], checked=True)
+            self._forward_backward(self._warm_up_batch(), [-1], checked=True)
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _warm_up_batch(self) -> SlotBatch:
+        """The warm-up's synthetic batch, on the device: ``S >= 2`` sequences of ``n = 2 * max(block_size, 64) + 2``
+        tokens of the family's warm-up token, zero features, ``S`` large enough that the draft tokens fill more
+        than one 128-wide tile of flex attention. So every dimension the compiled kernels see (context and
+        query tiles, anchors) is above 1: TorchDynamo specialises a dimension of size 1 at its first trace,
+        and a warm-up of one query tile made the first real batch trace again."""
+        b = self.cfg.block_size
+        n = 2 * max(b, 64) + 2
+        per_seq = min(self.cfg.num_anchors, n - 1) * b  # draft tokens of one sequence (every anchor eligible)
+        seqs = max(2, -(-130 // per_seq) + 1)
+        t = seqs * n
+        width = self.dcfg.num_target_layers * getattr(self.dcfg, "target_hidden_size", self.dcfg.hidden_size)
+        token = self.family.warm_up_token(self.dcfg)
+        ids = torch.full((t,), token, dtype=torch.int32, device=self.device)
+        return SlotBatch(hidden=torch.zeros(t, width, device=self.device), input_ids=ids,
+                         loss_mask=torch.ones(t, dtype=torch.uint8, device=self.device),
+                         cu_seqlens=torch.arange(0, t + 1, n, dtype=torch.int32),
+                         target_ids=ids.clone() if self.cfg.label_source == "target" else None)
 
     # ------------------------------------------------------------------ public step
     def step(self, batch: SlotBatch | Mapping[str, torch.Tensor], batch_ids: list[int],

@@ -101,7 +101,8 @@ class FlexMask:
     """The DFlash attention pattern as a block-sparse ``torch.nn.attention.flex_attention`` mask.
 
     Key/value layout: ``[context padded to ctx_len ; draft tokens padded to q_len]``; queries: the draft
-    tokens padded to ``q_len`` (both multiples of the tile). ``num_queries`` is the real ``Q = A*B``;
+    tokens padded to ``q_len`` (both multiples of the tile, at least two tiles each). ``num_queries`` is the
+    real ``Q = A*B``;
     ``block_size`` ``B``; ``window``/``causal`` the variant it was built for (``build_flex_mask``), which the
     drafter checks against each layer's.
     """
@@ -115,7 +116,10 @@ class FlexMask:
 
 
 def _ceil_to(n: int, m: int) -> int:
-    return max(m, -(-int(n) // m) * m)
+    """``n`` rounded up to a multiple of ``m``, and at least ``2 * m``: a compiled kernel traced with dynamic
+    shapes assumes every dynamic size >= 2 (TorchDynamo specialises sizes 0 and 1), so a batch of one tile would
+    be traced anew; the extra tile is padding the block mask skips."""
+    return max(2 * m, -(-int(n) // m) * m)
 
 
 def build_flex_mask(anchors: torch.Tensor, seq_start: torch.Tensor, ctx_len: int, block_size: int,

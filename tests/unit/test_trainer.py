@@ -361,3 +361,57 @@ def test_feature_noise_perturbs_the_features_by_their_rms_and_resumes_exactly(fe
     second = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "c")
     second.load_checkpoint(tmp_path / "c")
     assert [second.step(few[i], [i])["loss"] for i in (2, 3)] == losses_full[1:]
+
+
+def _synthetic_batch(dcfg, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    return {"hidden": torch.randn(t, dcfg.num_target_layers * dcfg.hidden_size, generator=g),
+            "input_ids": torch.randint(4, dcfg.vocab_size, (t,), generator=g, dtype=torch.int32),
+            "loss_mask": torch.ones(t, dtype=torch.uint8), "cu_seqlens": cu}
+
+
+@pytest.mark.parametrize("first,duck_sizing", [("warm_up", False), ("coincident", False), ("coincident", True)])
+def test_compiled_layers_trace_once_for_the_first_batch_and_never_again(tmp_path, monkeypatch, first, duck_sizing):
+    """The compiled draft layers (flex form, dynamic shapes) are traced at the first batch, the warm-up's, and
+    never again for the real batches that follow, one of them a single query tile (flex masks are padded to
+    two tiles at least: dynamo assumes dynamic sizes >= 2). ``compile_shape_scope`` turns duck sizing off: a
+    first batch whose padded context equals its padded queries (12 sequences of 30 tokens, 8 anchors of 4 each:
+    384 and 384) must not tie the two sizes; with duck sizing on (the scope replaced by a no-op) the later
+    batches are traced again, so this test fails where the guard returns. (The old warm-up's context of 128
+    positions tied to the fixture's 2 x 64 key/value features: about 20 s of recompile at the first real step
+    on the H200.) Forward only (flex attention has no CPU backward); dynamo's guards are the ones of training."""
+    import contextlib
+
+    from specring.consumer import trainer as trainer_mod
+    if duck_sizing:
+        monkeypatch.setattr(trainer_mod, "compile_shape_scope", contextlib.nullcontext)
+    cfg = small_cfg(num_anchors=8)
+    tr = Trainer(cfg, dcfg_for(cfg, layers=2), TARGET, "cpu", tmp_path, write_metrics=False, attention="flex",
+                 compile_layers=False)
+    traces = []
+
+    def counting_backend(gm, example_inputs):
+        traces.append(len(example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        for layer in tr.family.compiled_modules(tr.model):
+            layer.compile(dynamic=True, backend=counting_backend)
+        with torch.no_grad():
+            start = tr._warm_up_batch() if first == "warm_up" else _synthetic_batch(tr.dcfg, [30] * 12, seed=9)
+            tr._forward_backward(start, [-1], backward=False)
+            assert traces, "the first batch traced nothing"
+            after_first = len(traces)
+            for k, lengths in enumerate([[300, 260, 280], [200] * 5, [600], [150, 90, 410, 333]]):
+                tr._forward_backward(_synthetic_batch(tr.dcfg, lengths, seed=k), [k], backward=False)
+        retraced = len(traces) - after_first
+    finally:
+        torch._dynamo.reset()
+    if duck_sizing:
+        assert retraced > 0  # the guard this test is about exists: without the scope the shapes retrace
+    else:
+        assert retraced == 0, f"{retraced} traces after the first batch"
