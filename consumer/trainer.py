@@ -293,22 +293,16 @@ class Trainer:
             torch.cuda.synchronize(self.device)
 
     def _warm_up_batch(self) -> SlotBatch:
-        """The warm-up's synthetic batch, on the device: ``S >= 2`` sequences of ``n = 2 * max(block_size, 64) + 2``
-        tokens of the family's warm-up token, zero features, ``S`` large enough that the draft tokens fill more
-        than one 128-wide tile of flex attention. So every dimension the compiled kernels see (context and
-        query tiles, anchors) is above 1: TorchDynamo specialises a dimension of size 1 at its first trace,
-        and a warm-up of one query tile made the first real batch trace again."""
-        b = self.cfg.block_size
-        n = 2 * max(b, 64) + 2
-        per_seq = min(self.cfg.num_anchors, n - 1) * b  # draft tokens of one sequence (every anchor eligible)
-        seqs = max(2, -(-130 // per_seq) + 1)
-        t = seqs * n
+        """The warm-up's synthetic batch, on the device: two sequences of ``2 * block_size + 2`` tokens of the
+        family's warm-up token, zero features (every size the compiled kernels see is at least 2: flex masks pad
+        to two tiles, ``shared.models.draft_attention``)."""
+        n = 2 * self.cfg.block_size + 2
         width = self.dcfg.num_target_layers * getattr(self.dcfg, "target_hidden_size", self.dcfg.hidden_size)
         token = self.family.warm_up_token(self.dcfg)
-        ids = torch.full((t,), token, dtype=torch.int32, device=self.device)
-        return SlotBatch(hidden=torch.zeros(t, width, device=self.device), input_ids=ids,
-                         loss_mask=torch.ones(t, dtype=torch.uint8, device=self.device),
-                         cu_seqlens=torch.arange(0, t + 1, n, dtype=torch.int32),
+        ids = torch.full((2 * n,), token, dtype=torch.int32, device=self.device)
+        return SlotBatch(hidden=torch.zeros(2 * n, width, device=self.device), input_ids=ids,
+                         loss_mask=torch.ones(2 * n, dtype=torch.uint8, device=self.device),
+                         cu_seqlens=torch.tensor([0, n, 2 * n], dtype=torch.int32),
                          target_ids=ids.clone() if self.cfg.label_source == "target" else None)
 
     # ------------------------------------------------------------------ public step
