@@ -42,7 +42,12 @@ from specring.shared.commands.command_config import EvalConfig
 from specring.shared.data.prompts import load_prompts
 from specring.shared.drafters import DEFAULT_FAMILY, family_of_export, get_family
 from specring.shared.errors import ConfigError
-from specring.shared.models.batched_decode import batched_greedy_generate, decode_prompts, target_batch_support
+from specring.shared.models.batched_decode import (
+    batched_greedy_generate,
+    decode_attention_backends,
+    decode_prompts,
+    target_batch_support,
+)
 from specring.shared.models.ngram import PromptLookupProposer
 from specring.shared.models.speculative import (
     SamplingParams,
@@ -138,9 +143,10 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     if data is None:
         from specring.shared.data.demo import ensure_demo
         data = [ensure_demo()[1]]
-    greedy_generate(target, [0, 1, 2, 3], 4)  # warm-up: keep one-time costs out of tokens/s
-    if batch_size > 1 and target_batch_support(target) is None:
-        batched_greedy_generate(target, [[0, 1, 2, 3], [0, 1]], 4)
+    with decode_attention_backends():  # warm-up: keep one-time costs out of tokens/s, on the decode's kernels
+        greedy_generate(target, [0, 1, 2, 3], 4)
+        if batch_size > 1 and target_batch_support(target) is None:
+            batched_greedy_generate(target, [[0, 1, 2, 3], [0, 1]], 4)
     rows = []
     for path in data:
         prompts = load_prompts(path, cfg.num_prompts, cfg.prompt_len)

@@ -591,6 +591,23 @@ def batched_proposer(proposer) -> BatchedProposer | None:
 
 
 # ---------------------------------------------------------------------------------------------- decoding
+DECODE_SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def decode_attention_backends():
+    """Context manager: the SDPA backends a decode loop may use, every one but cuDNN's
+    (``torch.nn.attention.sdpa_kernel`` over ``DECODE_SDPA_BACKENDS``; restores the previous choice on exit).
+
+    Why: a decode loop calls attention at a new key/value length every step (the cache grows by the accepted
+    tokens), and PyTorch's cuDNN SDPA backend builds an execution plan for every new shape on the host. On one
+    H200 with the fixture target (``launch.py eval``, 24 prompts of 256 + 256 tokens, bf16, 2026-12-03) that
+    build took 6.2 ms of host time per attention call, 23.6 s of the run's 31.2 s of host time against 0.48 s
+    of GPU time in all (torch profiler; docs/performance.md, "launch.py eval"). The memory-efficient kernel
+    needs no plan. On CPU nothing changes (cuDNN is a CUDA backend). Raises nothing."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([getattr(SDPBackend, name) for name in DECODE_SDPA_BACKENDS])
+
+
 def _share_wall(results: list[DecodeResult], seconds: float) -> None:
     for r in results:
         r.wall_s = seconds / len(results)
@@ -734,9 +751,17 @@ def decode_prompts(target, proposer, prompts: Sequence[Sequence[int]], max_new_t
     batched), ``info["batched_reason"]`` why not (None when batched or ``batch_size`` 1 was asked),
     ``info["batch_forwards"]`` the target forwards run (batched: one per verify step of a group plus one
     prefill per prompt; one prompt at a time: the sum of ``target_forwards``). Raises ``ValueError`` for
-    ``batch_size < 1`` and what the decode functions raise."""
+    ``batch_size < 1`` and what the decode functions raise. Every forward runs under
+    ``decode_attention_backends`` (no cuDNN attention: it plans every new key/value length on the host)."""
     if int(batch_size) < 1:
         raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+    with decode_attention_backends():
+        return _decode_prompts(target, proposer, prompts, max_new_tokens, block_size, layer_ids, stop_token_ids,
+                               int(batch_size), sampling, generator, on_done)
+
+
+def _decode_prompts(target, proposer, prompts, max_new_tokens, block_size, layer_ids, stop_token_ids, batch_size,
+                    sampling, generator, on_done):
     reason = None if int(batch_size) == 1 else batch_support(target, proposer, sampling)
     results: list[DecodeResult] = []
     if int(batch_size) == 1 or reason is not None:

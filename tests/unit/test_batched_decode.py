@@ -221,3 +221,26 @@ def test_evaluate_tau_batched_reports_the_same_figures(target, prompts, stop):
         assert many[key] == one[key], key
     assert many["lossless_mismatches"] == 0 and many["batched"] and many["batch_size"] == 4
     assert "batched" not in one
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_every_decode_forward_runs_without_cudnn_attention(target, prompts, batch_size):
+    """cuDNN's SDPA plans every new key/value length on the host (6.2 ms a call on the H200,
+    ``decode_attention_backends``): every target forward of a decode sees it disabled, and the choice before the
+    decode is back after it, also when the decode raises."""
+    seen = []
+    hook = target.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        assert before, "the test needs cuDNN attention enabled outside the decode"
+        decode_prompts(target, None, prompts[:3], 4, 16, batch_size=batch_size)
+        decode_prompts(target, PromptLookupProposer(3, vocab_size=target.config.vocab_size), prompts[:3], 4, 16,
+                       batch_size=batch_size)
+        assert len(seen) >= 6 and not any(seen), seen
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+        seen.clear()
+        with pytest.raises(ValueError):
+            decode_prompts(target, None, [[]], 4, 16, batch_size=batch_size)
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    finally:
+        hook.remove()
