@@ -5,7 +5,7 @@
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_drafter.sh [steps...]
 #   A schedule longer than one 10-minute device call: FINAL_STEPS=9600 FINAL_S=420 ... regen final, then on the still
 #   warm machine FINAL_S=540 ... final_resume (repeat while steps remain), then ... final_eval.
-#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 scale recipe20 peers (default: bench regen baselines
+#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 scale recipe20 eval_attention peers (default: bench regen baselines
 #   sweep). peers: benchmarks/peers.py (Model-Optimizer's and speculators' DFlash trainers, PEERS_MIN minutes each, the
 #   wheels of .whl/ installed into /tmp/site: the device call carries .whl); PEERS=modelopt / PEERS=speculators in two
 #   calls on the warm machine fit the 10-minute limit, the table accumulates in /tmp/specring-peers/results.jsonl.
@@ -171,6 +171,10 @@ if has recipe20; then  # issue 23: the whole recipe inside 20 GPU-minutes (regen
   summarize recipe20
   step recipe20_eval ${R20_EVAL_S:-300} python3 launch.py eval --drafter runs/recipe20 --baselines prompt-lookup \
     --output-json "$OUT/recipe20_eval.json"
+fi
+if has eval_attention; then  # issue 25 item 4: the eval's rows with cuDNN attention (the baseline) and without
+  step eval_attention ${EVAL_ATTN_S:-300} python3 benchmarks/eval_attention.py -- --drafter ${EVAL_ATTN_RUN:-runs/recipe20} \
+    --baselines prompt-lookup
 fi
 if has peers; then  # issue 23 item 5: the peers' DFlash trainers, same data and minutes, tau by launch.py eval
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
