@@ -244,6 +244,33 @@ def test_checkpoint_files_and_refusals(few, tmp_path):
         ckpt.resolve_checkpoint(tmp_path / "nowhere")
 
 
+def test_resume_refuses_weights_it_does_not_train_or_of_another_shape_by_name(few, tmp_path):
+    """A checkpoint whose trainable tensors are not this drafter's is refused before anything is copied: an
+    extra name (even one of the frozen head's, or a typo), a tensor of another shape, a missing one."""
+    cfg = small_cfg()
+    tr = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "a", write_metrics=False)
+    tr.step(few[0], [0])
+    state = tr.state_dict()
+    fresh = Trainer(cfg, dcfg_for(cfg), TARGET, "cpu", tmp_path / "b", write_metrics=False)
+    before = {k: v.clone() for k, v in fresh.model.trainable_state_dict().items()}
+    extra = {**state, "model": {**state["model"], "layers.0.mlp.gate_proj.weigth": torch.zeros(2)}}
+    with pytest.raises(ValueError, match=r"does not train: \['layers.0.mlp.gate_proj.weigth'\]"):
+        fresh.load_state_dict(extra)
+    frozen = {**state, "model": {**state["model"], "lm_head.weight": tr.model.lm_head.weight.detach()}}
+    with pytest.raises(ValueError, match="does not train.*lm_head.weight"):
+        fresh.load_state_dict(frozen)
+    key = "fc.weight"
+    other = {**state, "model": {**state["model"], key: state["model"][key][:, :-1].clone()}}
+    with pytest.raises(ValueError, match=r"another shape.*fc.weight"):
+        fresh.load_state_dict(other)
+    lacking = {**state, "model": {k: v for k, v in state["model"].items() if k != key}}
+    with pytest.raises(ValueError, match="lacks weights.*fc.weight"):
+        fresh.load_state_dict(lacking)
+    assert same(fresh.model.trainable_state_dict(), before)  # nothing was copied by a refused load
+    fresh.load_state_dict(state)
+    assert same(fresh.model.trainable_state_dict(), tr.model.trainable_state_dict())
+
+
 def test_200_steps_on_the_demo_corpus_learn(target, demo, tmp_path):
     """Fixture target, demo corpus: 200 steps of 4 x 64 tokens (16 anchors per sequence, B = 4,
     2 draft layers, 3 captured layers, lr 3e-3). The held-out loss falls clearly and the acceptance
