@@ -4,12 +4,15 @@ one after the other on the same machine, the same checkpoint and the same prompt
 
 Each form is one ``launch.py eval`` in its own process (a fresh CUDA context, so neither form inherits the
 other's cuDNN plans or compiled kernels): ``cudnn`` replaces ``decode_attention_backends`` with a no-op scope before
-the command runs; ``decode`` runs the code as it is. Every argument after ``--`` goes to ``launch.py eval``
-(default: the standard setting, ``--baselines prompt-lookup``). Printed per form and row
-``form=F row=R wall_s=S tau_mean=T speedup=X``; then ``form=F rows_wall_s=S command_s=C``, and
-``eval_rows_speedup=X`` (the baseline's rows' wall time over the decode form's).
+the command runs; ``decode`` runs the code as it is. The forms alternate, ``--repeats`` rounds of ``cudnn decode`` then
+``decode cudnn`` (so neither always runs first, on a cold disk cache or a cold GPU clock). Every argument
+after ``--`` goes to ``launch.py eval`` (default: the standard setting, ``--baselines prompt-lookup``).
+Printed per run and row ``form=F run=I row=R wall_s=S tau_mean=T speedup=X`` (``speedup=-`` where the eval
+has none: ``--no-lossless-check``); per run ``form=F run=I rows_wall_s=S command_s=C``; per form
+``form=F median_rows_wall_s=S``; then ``eval_rows_speedup=X``, the baseline's median rows' wall time over the
+decode form's.
 
-    python benchmarks/eval_attention.py -- --drafter runs/recipe20 --baselines prompt-lookup
+    python benchmarks/eval_attention.py --repeats 2 -- --drafter runs/recipe20 --baselines prompt-lookup
     python benchmarks/eval_attention.py --device cpu -- --drafter none --num-prompts 2 --max-new-tokens 8
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,20 +57,29 @@ def main(argv: list[str] | None = None) -> int:
     ours, eval_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default=None, help="passed to launch.py eval as --device (default: its own)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="rounds of the pair: odd rounds cudnn first, even rounds decode first (default 1)")
     args = ap.parse_args(ours)
+    if args.repeats < 1:
+        ap.error(f"--repeats: must be >= 1, got {args.repeats}")
     eval_args = eval_args or ["--baselines", "prompt-lookup"]
     if args.device:
         eval_args += ["--device", args.device]
-    walls = {}
+    walls: dict[str, list[float]] = {"cudnn": [], "decode": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for form in ("cudnn", "decode"):
-            data, seconds = run_form(form, eval_args, Path(tmp) / f"{form}.json")
-            for row in data["rows"]:
-                print(f"form={form} row={row['drafter']!r} wall_s={row['wall_s']:.2f} tau_mean={row['tau_mean']:.3f} "
-                      f"speedup={row['speedup']:.2f}")
-            walls[form] = sum(row["wall_s"] for row in data["rows"])
-            print(f"form={form} rows_wall_s={walls[form]:.2f} command_s={seconds:.1f}")
-    print(f"eval_rows_speedup={walls['cudnn'] / walls['decode']:.2f}")
+        for i in range(args.repeats):
+            for form in ("cudnn", "decode") if i % 2 == 0 else ("decode", "cudnn"):
+                data, seconds = run_form(form, eval_args, Path(tmp) / f"{form}-{i}.json")
+                for row in data["rows"]:
+                    speedup = row.get("speedup")
+                    print(f"form={form} run={i} row={row['drafter']!r} wall_s={row['wall_s']:.2f} "
+                          f"tau_mean={row['tau_mean']:.3f} speedup={'-' if speedup is None else f'{speedup:.2f}'}")
+                walls[form].append(sum(row["wall_s"] for row in data["rows"]))
+                print(f"form={form} run={i} rows_wall_s={walls[form][-1]:.2f} command_s={seconds:.1f}")
+    med = {form: statistics.median(w) for form, w in walls.items()}
+    for form, m in med.items():
+        print(f"form={form} median_rows_wall_s={m:.2f}")
+    print(f"eval_rows_speedup={med['cudnn'] / med['decode']:.2f}")
     return 0
 
 

@@ -173,7 +173,7 @@ if has recipe20; then  # issue 23: the whole recipe inside 20 GPU-minutes (regen
     --output-json "$OUT/recipe20_eval.json"
 fi
 if has eval_attention; then  # issue 25 item 4: the eval's rows with cuDNN attention (the baseline) and without
-  step eval_attention ${EVAL_ATTN_S:-300} python3 benchmarks/eval_attention.py -- --drafter ${EVAL_ATTN_RUN:-runs/recipe20} \
+  step eval_attention ${EVAL_ATTN_S:-300} python3 benchmarks/eval_attention.py --repeats 2 -- --drafter ${EVAL_ATTN_RUN:-runs/recipe20} \
     --baselines prompt-lookup
 fi
 if has peers; then  # issue 23 item 5: the peers' DFlash trainers, same data and minutes, tau by launch.py eval

@@ -591,21 +591,25 @@ def batched_proposer(proposer) -> BatchedProposer | None:
 
 
 # ---------------------------------------------------------------------------------------------- decoding
-DECODE_SDPA_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
-
-
+@contextlib.contextmanager
 def decode_attention_backends():
-    """Context manager: the SDPA backends a decode loop may use, every one but cuDNN's
-    (``torch.nn.attention.sdpa_kernel`` over ``DECODE_SDPA_BACKENDS``; restores the previous choice on exit).
+    """Context manager: cuDNN's SDPA backend off for a decode loop, every other backend as the caller left it
+    (``torch.backends.cuda.enable_cudnn_sdp``; the previous setting restored on exit, also on an exception; the
+    setting is the process's, as PyTorch keeps it).
 
     Why: a decode loop calls attention at a new key/value length every step (the cache grows by the accepted
     tokens), and PyTorch's cuDNN SDPA backend builds an execution plan for every new shape on the host. On one
-    H200 with the fixture target (``launch.py eval``, 24 prompts of 256 + 256 tokens, bf16, 2026-12-03) that
-    build took 6.2 ms of host time per attention call, 23.6 s of the run's 31.2 s of host time against 0.48 s
-    of GPU time in all (torch profiler; docs/performance.md, "launch.py eval"). The memory-efficient kernel
-    needs no plan. On CPU nothing changes (cuDNN is a CUDA backend). Raises nothing."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([getattr(SDPBackend, name) for name in DECODE_SDPA_BACKENDS])
+    H200 with the fixture target (``launch.py eval``, the greedy and DFlash rows, bf16, 2026-12-03) that took
+    6.2 ms of host time per attention call (the profiler's average), 23.6 s of the run's 31.2 s of host time
+    against 0.48 s of GPU time in all (torch profiler; docs/performance.md, "cuDNN attention off in every
+    decode"). The memory-efficient kernel, taken instead, needs no plan. On CPU nothing changes (cuDNN is a CUDA
+    backend). Raises nothing."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 def _share_wall(results: list[DecodeResult], seconds: float) -> None:

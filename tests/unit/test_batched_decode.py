@@ -244,3 +244,20 @@ def test_every_decode_forward_runs_without_cudnn_attention(target, prompts, batc
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
     finally:
         hook.remove()
+
+
+def test_the_decode_scope_turns_cudnn_off_and_leaves_a_callers_narrower_choice_alone():
+    """Inside a caller's ``sdpa_kernel([MATH])`` the decode scope only adds cuDNN's off: flash and the
+    memory-efficient kernel stay off as the caller set them; each flag is back after the scope."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from specring.shared.models.batched_decode import decode_attention_backends
+    cuda = torch.backends.cuda
+    flags = lambda: (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),  # noqa: E731
+                     cuda.cudnn_sdp_enabled())
+    with sdpa_kernel([SDPBackend.MATH, SDPBackend.CUDNN_ATTENTION]):
+        outer = flags()
+        assert outer == (False, False, True, True)
+        with decode_attention_backends():
+            assert flags() == (False, False, True, False)
+        assert flags() == outer
