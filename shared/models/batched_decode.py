@@ -602,8 +602,8 @@ def decode_attention_backends():
     H200 with the fixture target (``launch.py eval``, the greedy and DFlash rows, bf16, 2026-12-03) that took
     6.2 ms of host time per attention call (the profiler's average), 23.6 s of the run's 31.2 s of host time
     against 0.48 s of GPU time in all (torch profiler; docs/performance.md, "cuDNN attention off in every
-    decode"). The other backends (for a masked attention, the memory-efficient kernel) build no plan. On CPU nothing changes (cuDNN is a CUDA
-    backend). Raises nothing."""
+    decode"). The other backends (for a masked attention, the memory-efficient kernel) build no plan. On CPU
+    nothing changes (cuDNN is a CUDA backend). Raises nothing."""
     before = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
