@@ -1,5 +1,5 @@
 """``launch.py eval``'s rows with cuDNN attention allowed (the baseline, the code before 2026-12-03) against the
-decode's own backends (``shared.models.batched_decode.decode_attention_backends``: every SDPA backend but cuDNN's),
+decode's own setting (``shared.models.batched_decode.decode_attention_backends``: cuDNN's SDPA backend off),
 one after the other on the same machine, the same checkpoint and the same prompts.
 
 Each form is one ``launch.py eval`` in its own process (a fresh CUDA context, so neither form inherits the

@@ -448,9 +448,9 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Inverse of ``state_dict``. Raises ``ValueError`` when the drafter config differs (layer ids,
-        block size, shapes), or when the saved trainable weights are not exactly this drafter's (a name missing,
-        a name it does not train, a tensor of another shape; each named) before any weight is copied: a
-        checkpoint of another drafter must not be continued silently."""
+        block size, shapes), or when the saved trainable weights are not exactly this drafter's (a frozen tensor, and
+        what the model's ``load_trainable`` refuses: a name missing or unexpected, a tensor of another shape; each
+        named) before any weight is copied: a checkpoint of another drafter must not be continued silently."""
         kind = state.get("drafter", "dflash")  # checkpoints before the drafter field held DFlash
         if kind != self.kind:
             raise ValueError(f"checkpoint holds a {kind} drafter, this run trains {self.kind}")
@@ -461,21 +461,10 @@ class Trainer:
         if saved is not None and saved != mine:
             diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
             raise ValueError(f"checkpoint drafter config differs from this run in {diff}")
-        trainable = self.model.trainable_state_dict()
-        missing = set(trainable) - set(state["model"])
-        if missing:
-            raise ValueError(f"checkpoint lacks weights {sorted(missing)}")
-        unexpected = set(state["model"]) - set(trainable)
-        if unexpected:
-            raise ValueError(f"checkpoint holds weights this {self.kind} drafter does not train: {sorted(unexpected)}")
-        wrong = sorted(f"{k} {tuple(v.shape)} (this drafter: {tuple(trainable[k].shape)})"
-                       for k, v in state["model"].items() if tuple(v.shape) != tuple(trainable[k].shape))
-        if wrong:
-            raise ValueError(f"checkpoint weights of another shape: {wrong}")
-        with torch.no_grad():
-            named = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
-            for k, v in state["model"].items():
-                named[k].copy_(v.to(named[k].device, named[k].dtype))
+        frozen = sorted(set(state["model"]) & set(self.model.frozen_state_dict()))
+        if frozen:  # the model's load_trainable ignores frozen keys; a trainer state must not hold them
+            raise ValueError(f"checkpoint holds weights this {self.kind} drafter does not train: {frozen}")
+        self.model.load_trainable(state["model"], "checkpoint")
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         rng = state.get("rng", {})

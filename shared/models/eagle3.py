@@ -385,12 +385,17 @@ class Eagle3Drafter(nn.Module):
         return {"embed_tokens.weight": self.embed_tokens.weight.detach()}
 
     def load_trainable(self, tensors: dict[str, torch.Tensor], source: str) -> None:
-        """Copy trainable weights and buffers; raises ``ValueError`` naming ``source`` and the key mismatch."""
+        """Copy trainable weights and buffers; raises ``ValueError`` naming ``source`` and the key mismatch or the
+        tensors of another shape, before anything is copied."""
         mine = self.trainable_state_dict()
         have = {k: v for k, v in tensors.items() if k != "embed_tokens.weight"}
         if set(have) != set(mine):
             raise ValueError(f"{source}: weights do not match the EAGLE-3 config: missing "
                              f"{sorted(set(mine) - set(have))}, unexpected {sorted(set(have) - set(mine))}")
+        bad = sorted(f"{k} {tuple(v.shape)} (config wants {tuple(mine[k].shape)})" for k, v in have.items()
+                     if tuple(v.shape) != tuple(mine[k].shape))
+        if bad:
+            raise ValueError(f"{source}: weights do not match the EAGLE-3 config's shapes: {'; '.join(bad)}")
         self.set_draft_vocab(have["d2t"], have["t2d"])
         with torch.no_grad():
             for name, p in self.named_parameters():
