@@ -38,7 +38,7 @@ has producer_hybrid && step producer_hybrid ${HYBRID_S:-200} python3 benchmarks/
 has linear_ce && step linear_ce 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_linear_ce.py
 has trainer && step trainer 60 python3 benchmarks/trainer.py --device cuda:0 --shape qwen3-8b --seq-len 2048 --num-anchors 512 --steps 4 --warmup 2
 has trainer_fused && step trainer_fused ${FUSED_S:-240} python3 benchmarks/trainer.py --device cuda:0 --shape qwen3-8b \
-  --seq-len 2048 --num-anchors ${ANCHORS:-512} --steps 5 --warmup 2 --check --profile ${PROFILE:-0} ${TRACE:+--trace $TRACE} \
+  --seq-len 2048 --num-anchors ${ANCHORS:-512} --steps 5 --warmup 2 --check --profile ${PROFILE:-0} ${TRACE:+--trace $TRACE} ${SYNC_DEBUG:+--sync-debug} \
   --attention ${FORMS:-flex+compile+fused flex+compile flex+fused flex}
 has eagle3_step && step eagle3_step 200 python3 benchmarks/eagle3_step.py --device cuda:0 \
   --forms batched+compile batched reference --check --profile 2

@@ -103,14 +103,20 @@ def build_trainer(form: str, dcfg, target, device, run_dir, args) -> Trainer:
     """The trainer of ``form``: an attention form, then ``+compile`` (decoder layers under torch.compile) and/or
     ``+fused`` (``--trainer.fused-ce liger``; without it the chunked float32 loss, ``off``)."""
     attention, *extras = form.split("+")
-    unknown = set(extras) - {"compile", "fused"}
+    unknown = set(extras) - {"compile", "fused", "autotune"}
     if unknown:
-        raise SystemExit(f"--attention {form}: unknown option(s) {sorted(unknown)} (compile, fused)")
+        raise SystemExit(f"--attention {form}: unknown option(s) {sorted(unknown)} (compile, fused, autotune)")
+    if "autotune" in extras and "compile" not in extras:
+        raise SystemExit(f"--attention {form}: autotune needs compile")
     cfg = TrainerConfig(devices=[str(device)], block_size=args.block_size, num_anchors=args.num_anchors,
                         max_steps=args.steps + args.warmup + 5, warmup_steps=1,
                         fused_ce="liger" if "fused" in extras else "off")
-    return Trainer(cfg, dcfg, target, device, run_dir, write_metrics=False, attention=attention,
-                   compile_layers="compile" in extras)
+    trainer = Trainer(cfg, dcfg, target, device, run_dir, write_metrics=False, attention=attention,
+                      compile_layers="compile" in extras)
+    if "autotune" in extras:  # inductor tries its flex attention kernel configurations (matmuls stay cuBLAS)
+        for layer in trainer.family.compiled_modules(trainer.model):
+            layer.compile(dynamic=True, options={"max_autotune": True, "max_autotune_gemm_backends": "ATEN"})
+    return trainer
 
 
 def check_forms(trainers: dict[str, Trainer], batch: dict) -> None:
@@ -157,6 +163,43 @@ def profile_steps(trainer: Trainer, batches: list[dict], steps: int, device, nam
         print(f"trace form={name} written {out}")
 
 
+def sync_sites(trainer: Trainer, batches: list[dict], device) -> None:
+    """One training step under ``torch.cuda.set_sync_debug_mode("warn")``: prints every distinct place in the
+    step that makes the host wait for the device (the Python stack of each synchronising call, innermost
+    specring frames), with its count; a step with none prints ``sync_sites=0``."""
+    import traceback
+    import warnings
+    if torch.device(device).type != "cuda":
+        print("sync_sites skipped: not a CUDA device")
+        return
+    sites: dict[str, int] = {}
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        frames = [f for f in traceback.extract_stack()[:-1] if "specring" in f.filename or "benchmarks" in f.filename]
+        key = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))
+        sites[key] = sites.get(key, 0) + 1
+
+    sync(device)
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                trainer.step(batches[0], [3000])
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = shown
+    print(f"sync_sites={len(sites)} syncs={sum(sites.values())}")
+    for key, n in sorted(sites.items(), key=lambda kv: -kv[1]):
+        print(f"  sync x{n}: {key}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -171,7 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", nargs="+", default=["flex", "dense"],
                     help="forms to measure, the first reported, the others as baselines (flex, dense, structured; "
                          "+compile: the decoder layers under torch.compile; +fused: Liger Kernel's fused linear + "
-                         "cross-entropy over the head, e.g. flex+compile+fused)")
+                         "cross-entropy over the head; +autotune (with +compile): inductor's max-autotune of the "
+                         "flex attention kernels, matmuls left to cuBLAS; e.g. flex+compile+fused)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
     ap.add_argument("--check", action="store_true", help="compare loss and gradients of the forms first")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -179,6 +223,8 @@ def main(argv=None) -> int:
                          "operators by device (else CPU) time")
     ap.add_argument("--trace", default="", metavar="PREFIX",
                     help="with --profile: also write each form's Chrome trace to PREFIX.FORM.json.gz")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="after timing, one step with torch.cuda.set_sync_debug_mode: where the step waits for the GPU")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     tmp = tempfile.TemporaryDirectory()
@@ -219,6 +265,8 @@ def main(argv=None) -> int:
         step_s = (time.perf_counter() - t0) / args.steps
         if args.profile:
             profile_steps(trainer, batches, args.profile, device, name, args.trace)
+        if args.sync_debug:
+            sync_sites(trainer, batches, device)
         mem = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
         rate[name] = positions / step_s
         print(f"form={name} train_step_s={step_s:.4f} loss={r['loss']:.3f} peak_gpu_mem_gib={mem:.1f} "

@@ -22,7 +22,9 @@ killed and reaped on every exit of the body.
 
 Threads on CPU: ``shared.machine.threads`` (producers one thread each; a lone consumer chooses between all the cores and
 one by timing its steps, ``ThreadTuner``, logged ``threads_tuned``). Start-up is logged as
-``startup_s imports=... build=... warm_up=... ready=...`` (seconds since the process started) and the first step
+``startup_s imports=... [cuda=... pin=...] trainer=... build=... warm_up=... ready=...`` (seconds since the process
+started; ``cuda`` the CUDA context, ``pin`` the rings registered with CUDA, ``trainer`` the drafter built on its device)
+and the first step
 as ``first_step_s=...`` with its wait for the first batch.
 
 Heartbeats come from a thread of their own (``shared.process.procs.ChildContext``) with a
@@ -149,6 +151,8 @@ def body(ctx: ChildContext) -> None:
     device = torch.device(cfg.trainer.devices[ctx.index])
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        torch.cuda.init()
+        marks["cuda"] = _since_start()
     plan = threads.apply(threads.plan_threads("consumer", device.type, cfg.producer.devices, cfg.trainer.devices),
                          role="consumer")
     # on CPU the thread count is chosen by measurement (shared.machine.threads.ThreadTuner): 1 or all of the plan's
@@ -161,6 +165,7 @@ def body(ctx: ChildContext) -> None:
         if device.type == "cuda":
             for r in rings:
                 r.pin()
+            marks["pin"] = _since_start()
         rank, world, group = _init_distributed(ctx, device)
         dcfg = drafter_config_from_run(cfg)
         extra = {}
@@ -171,6 +176,7 @@ def body(ctx: ChildContext) -> None:
             extra["max_mask_elems"] = CPU_MAX_MASK_ELEMS
         trainer = Trainer(cfg.trainer, dcfg, cfg.producer.target, device, ctx.run_dir, rank=rank,
                           world_size=world, process_group=group, **extra)
+        marks["trainer"] = _since_start()
         if cfg.resume:  # another node than 0 reads node 0's checkpoints (a shared filesystem)
             path = latest_checkpoint(envs.get(CHECKPOINTS_ENV) or RunDir(ctx.run_dir).checkpoints_dir)
             if path is not None:
