@@ -77,6 +77,13 @@ def compile_shape_scope() -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
 
+def pytree_registry_size() -> int:
+    """The number of pytree node types registered (``torch.utils._pytree.SUPPORTED_NODES``): TorchDynamo guards
+    a graph on it, so a type registered after a trace (an import inside the traced step) retraces the graph."""
+    import torch.utils._pytree as pytree
+    return len(pytree.SUPPORTED_NODES)
+
+
 def lr_factor(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """Linear warm-up over ``warmup_steps`` (from ``1/warmup``), then cosine from 1 to ``min_lr_ratio``
     at ``total_steps``; constant ``min_lr_ratio`` after it."""
@@ -264,13 +271,23 @@ class Trainer:
 
         A compiler failure (a toolchain the machine lacks, a torch without the needed support) is logged as an
         error naming the form given up, and the trainer falls back: compiled layers -> eager layers, then flex
-        -> dense attention; the weights are the same either way, only the speed differs."""
+        -> dense attention; the weights are the same either way, only the speed differs. When the pass registered
+        pytree node types (a module imported inside the step; ``pytree_registry_size``), it runs once more, so the
+        compiled graphs' guard on the registry holds at the first real batch (logged ``warm_up pytree_registry``)."""
         uses_flex = self.attention == "flex" and self.family.uses_flex_attention
         if not uses_flex and not self.compiled:
             return 0.0  # nothing compiled: nothing to warm up
         t0 = time.perf_counter()
         try:
+            nodes = pytree_registry_size()
             self._warm_up_once()
+            if pytree_registry_size() != nodes:  # an import inside the step registered pytree types after the
+                # layers were traced: their graphs are guarded on the registry's size, so trace them again now
+                # rather than at the first real batch
+                logger.warning("warm_up pytree_registry %d -> %d during the warm-up: warming up again (import "
+                               "the module that registers them before the trainer is built)", nodes,
+                               pytree_registry_size())
+                self._warm_up_once()
         except Exception as e:  # noqa: BLE001 - any compiler error; the fallback is logged
             if self.compiled:
                 logger.error("compile_failed form=compiled_layers fallback=eager_layers error=%s: %s",

@@ -65,5 +65,9 @@ def resolve_linear_ce(choice: str, device: torch.device | str) -> LinearCE | Non
         raise ValueError("fused_ce: liger needs a CUDA device and Liger Kernel installed (pip install liger-kernel)"
                          + ("" if have else "; it is not installed"))
     if choice == "liger" or (choice == "auto" and cuda and have):
+        # imported now, before anything is compiled: the import registers pytree node types (transformers'
+        # output classes), and every graph traced before a registration is guarded on the registry's size,
+        # so a first import inside the first step recompiled the draft layers at the first real batch
+        import liger_kernel.transformers.functional  # noqa: F401
         return liger_linear_ce_sum
     return torch_linear_ce_sum if choice == "torch" else None

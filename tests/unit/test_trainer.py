@@ -442,3 +442,69 @@ def test_compiled_layers_trace_once_for_the_first_batch_and_never_again(tmp_path
         assert retraced > 0  # the guard this test is about exists: without the scope the shapes retrace
     else:
         assert retraced == 0, f"{retraced} traces after the first batch"
+
+
+@pytest.mark.parametrize("rewarm", [True, False])
+def test_a_pytree_type_registered_during_the_warm_up_does_not_retrace_the_first_batch(tmp_path, monkeypatch, rewarm):
+    """A module imported inside the first step (Liger Kernel's, which registers transformers' output classes as
+    pytree nodes) grows ``torch.utils._pytree.SUPPORTED_NODES`` after the draft layers were traced; dynamo guards
+    every graph on that size, so on the H200 the first real batch recompiled both layer graphs (about 15 s,
+    ``TORCH_LOGS=recompiles``: ``len(...SUPPORTED_NODES) != 102``). The warm-up now sees the registry grow and
+    runs again: no trace after it. With the second pass disabled the first batch traces anew (the guard this
+    test is about exists)."""
+    import dataclasses
+
+    import torch.utils._pytree as pytree
+
+    from specring.consumer import trainer as trainer_mod
+    cfg = small_cfg(num_anchors=8)
+    tr = Trainer(cfg, dcfg_for(cfg, layers=2), TARGET, "cpu", tmp_path, write_metrics=False, attention="flex",
+                 compile_layers=False)
+    traces = []
+
+    def counting_backend(gm, example_inputs):
+        traces.append(len(example_inputs))
+        return gm.forward
+
+    @dataclasses.dataclass
+    class LateNode:  # registered by the step's first call, like a lazy import would
+        x: int
+
+    objective = tr.family.objective
+    registered = []
+
+    def late_import_objective(*a, **k):
+        out = objective(*a, **k)
+        if not registered:
+            pytree.register_dataclass(LateNode)
+            registered.append(LateNode)
+        return out
+
+    def forward_only(self):  # flex attention has no CPU backward: the warm-up pass forward only
+        with torch.no_grad():
+            self._forward_backward(self._warm_up_batch(), [-1], backward=False, checked=True)
+
+    monkeypatch.setattr(tr.family, "objective", late_import_objective)
+    monkeypatch.setattr(Trainer, "_warm_up_once", forward_only)
+    if not rewarm:
+        monkeypatch.setattr(trainer_mod, "pytree_registry_size", lambda: 0)
+    torch._dynamo.reset()
+    try:
+        for layer in tr.family.compiled_modules(tr.model):
+            layer.compile(dynamic=True, backend=counting_backend)
+        tr.compiled = True
+        tr.warm_up()
+        assert traces, "the warm-up traced nothing"
+        after_warm_up = len(traces)
+        with torch.no_grad():
+            for k, lengths in enumerate([[300, 260, 280], [200] * 5]):
+                tr._forward_backward(_synthetic_batch(tr.dcfg, lengths, seed=k), [k], backward=False)
+        retraced = len(traces) - after_warm_up
+    finally:
+        torch._dynamo.reset()
+        if registered:
+            pytree._deregister_pytree_node(LateNode)
+    if rewarm:
+        assert retraced == 0, f"{retraced} traces after the warm-up"
+    else:
+        assert retraced > 0
