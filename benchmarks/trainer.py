@@ -59,6 +59,12 @@ from specring.shared.transport.slot_batch import SlotBatch  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.4
 
+# the fastest flex attention configurations of inductor's autotune for the Qwen3-8B shape on the H200
+# (2026-12-03, docs/performance.md): forward 128 x 64 tiles with 8 warps, backward 32/64/64/32 with 4 warps
+TUNED_FLEX = {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 8,
+              "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+              "bwd_num_stages": 3, "bwd_num_warps": 4}
+
 
 def make_batch(dcfg: DFlashConfig, seqs: int, seq_len: int, device, dtype, seed: int = 1) -> SlotBatch:
     """A packed batch of ``seqs`` sequences of ``seq_len`` random tokens with random hidden states (and random
@@ -103,9 +109,9 @@ def build_trainer(form: str, dcfg, target, device, run_dir, args) -> Trainer:
     """The trainer of ``form``: an attention form, then ``+compile`` (decoder layers under torch.compile) and/or
     ``+fused`` (``--trainer.fused-ce liger``; without it the chunked float32 loss, ``off``)."""
     attention, *extras = form.split("+")
-    unknown = set(extras) - {"compile", "fused", "autotune"}
+    unknown = set(extras) - {"compile", "fused", "autotune", "tuned"}
     if unknown:
-        raise SystemExit(f"--attention {form}: unknown option(s) {sorted(unknown)} (compile, fused, autotune)")
+        raise SystemExit(f"--attention {form}: unknown option(s) {sorted(unknown)} (compile, fused, autotune, tuned)")
     if "autotune" in extras and "compile" not in extras:
         raise SystemExit(f"--attention {form}: autotune needs compile")
     cfg = TrainerConfig(devices=[str(device)], block_size=args.block_size, num_anchors=args.num_anchors,
@@ -119,11 +125,18 @@ def build_trainer(form: str, dcfg, target, device, run_dir, args) -> Trainer:
     return trainer
 
 
+def use_form_kernels(form: str) -> None:
+    """The flex kernel configuration of ``form``: ``TUNED_FLEX`` for a ``+tuned`` form, else inductor's defaults."""
+    from specring.shared.models import draft_attention
+    draft_attention.FLEX_KERNEL_OPTIONS = dict(TUNED_FLEX) if "tuned" in form.split("+") else None
+
+
 def check_forms(trainers: dict[str, Trainer], batch: dict) -> None:
     """One forward+backward of every form on the same batch and anchors: loss and gradient agreement."""
     ref_name = next(iter(trainers))
     grads = {}
     for name, tr in trainers.items():
+        use_form_kernels(name)
         stats = tr._forward_backward(batch, [123])
         grads[name] = torch.cat([p.grad.float().flatten() for p in tr.params if p.grad is not None])
         sums = stats.host()
@@ -215,7 +228,8 @@ def main(argv=None) -> int:
                     help="forms to measure, the first reported, the others as baselines (flex, dense, structured; "
                          "+compile: the decoder layers under torch.compile; +fused: Liger Kernel's fused linear + "
                          "cross-entropy over the head; +autotune (with +compile): inductor's max-autotune of the "
-                         "flex attention kernels, matmuls left to cuBLAS; e.g. flex+compile+fused)")
+                         "flex attention kernels, matmuls left to cuBLAS; +tuned: the flex kernel configuration "
+                         "that autotune chose on the H200 (TUNED_FLEX); e.g. flex+compile+fused)")
     ap.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
     ap.add_argument("--check", action="store_true", help="compare loss and gradients of the forms first")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -249,6 +263,7 @@ def main(argv=None) -> int:
         check_forms(forms, batches[0])
     rate = {}
     for name, trainer in forms.items():
+        use_form_kernels(name)
         try:
             for i in range(args.warmup):
                 trainer.step(batches[i % 2], [i])

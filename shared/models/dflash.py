@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specring.shared.models import draft_attention
 from specring.shared.models.building_blocks import (
     DraftConfigDict,
     RMSNorm,
@@ -322,7 +323,8 @@ class DFlashAttention(nn.Module):
             k = torch.cat([ctx_kv[0].to(dt), k_blk.to(dt)], dim=1)[None]
             v = torch.cat([ctx_kv[1].to(dt), v_blk], dim=1)[None]
             out = flex_attention_fn(q.is_cuda)(q.to(dt)[None], k, v, block_mask=attn_mask.block_mask,
-                                               enable_gqa=self.num_heads != self.num_kv_heads)[0]
+                                               enable_gqa=self.num_heads != self.num_kv_heads,
+                                               kernel_options=draft_attention.FLEX_KERNEL_OPTIONS)[0]
             return self.o_proj(out.transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim))
         if ctx_kv[0].dim() == 4:
             return self._batched(q, k_blk, v_blk, ctx_kv, attn_mask)

@@ -207,6 +207,12 @@ def build_flex_mask(anchors: torch.Tensor, seq_start: torch.Tensor, ctx_len: int
 
 _COMPILED_FLEX = None
 
+# ``kernel_options`` of every training-form ``flex_attention`` call (block sizes, warps, stages; keys prefixed
+# ``fwd_``/``bwd_`` apply to one pass: PyTorch docs, "FlexAttention", ``FlexKernelOptions``); None: inductor's
+# defaults. Set by ``benchmarks/trainer.py``'s ``+tuned`` form, which measures the configuration inductor's
+# autotune chose on the H200 (docs/performance.md) against the defaults.
+FLEX_KERNEL_OPTIONS: dict | None = None
+
 
 def flex_attention_fn(compiled: bool):
     """``torch.nn.attention.flex_attention.flex_attention``, compiled with ``torch.compile`` when ``compiled``
