@@ -400,6 +400,21 @@ def _synthetic_batch(dcfg, lengths, seed=0):
             "loss_mask": torch.ones(t, dtype=torch.uint8), "cu_seqlens": cu}
 
 
+def _flex_trainer_counting_traces(tmp_path):
+    """A 2-layer flex-form trainer with eager layers, the list of dynamo traces and the compile backend that
+    appends to it (each trace's input count) and runs the traced graph as it is."""
+    cfg = small_cfg(num_anchors=8)
+    tr = Trainer(cfg, dcfg_for(cfg, layers=2), TARGET, "cpu", tmp_path, write_metrics=False, attention="flex",
+                 compile_layers=False)
+    traces = []
+
+    def counting_backend(gm, example_inputs):
+        traces.append(len(example_inputs))
+        return gm.forward
+
+    return tr, traces, counting_backend
+
+
 @pytest.mark.parametrize("first,duck_sizing", [("warm_up", False), ("coincident", False), ("coincident", True)])
 def test_compiled_layers_trace_once_for_the_first_batch_and_never_again(tmp_path, monkeypatch, first, duck_sizing):
     """The compiled draft layers (flex form, dynamic shapes) are traced at the first batch, the warm-up's, and
@@ -415,14 +430,7 @@ def test_compiled_layers_trace_once_for_the_first_batch_and_never_again(tmp_path
     from specring.consumer import trainer as trainer_mod
     if duck_sizing:
         monkeypatch.setattr(trainer_mod, "compile_shape_scope", contextlib.nullcontext)
-    cfg = small_cfg(num_anchors=8)
-    tr = Trainer(cfg, dcfg_for(cfg, layers=2), TARGET, "cpu", tmp_path, write_metrics=False, attention="flex",
-                 compile_layers=False)
-    traces = []
-
-    def counting_backend(gm, example_inputs):
-        traces.append(len(example_inputs))
-        return gm.forward
+    tr, traces, counting_backend = _flex_trainer_counting_traces(tmp_path)
 
     torch._dynamo.reset()
     try:
@@ -457,14 +465,7 @@ def test_a_pytree_type_registered_during_the_warm_up_does_not_retrace_the_first_
     import torch.utils._pytree as pytree
 
     from specring.consumer import trainer as trainer_mod
-    cfg = small_cfg(num_anchors=8)
-    tr = Trainer(cfg, dcfg_for(cfg, layers=2), TARGET, "cpu", tmp_path, write_metrics=False, attention="flex",
-                 compile_layers=False)
-    traces = []
-
-    def counting_backend(gm, example_inputs):
-        traces.append(len(example_inputs))
-        return gm.forward
+    tr, traces, counting_backend = _flex_trainer_counting_traces(tmp_path)
 
     @dataclasses.dataclass
     class LateNode:  # registered by the step's first call, like a lazy import would
