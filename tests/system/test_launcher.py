@@ -122,8 +122,12 @@ def test_chaos_producers_killed_and_hung(dataset, tmp_path):
     print(f"chaos seed={seed}")
     rng = random.Random(seed)
     run_dir = tmp_path / "run"
-    # max_restarts high: on a loaded machine a slow forward can also be taken for a hang (and restarted)
-    proc = start_launcher(small_flags(dataset, run_dir, 240, hang_timeout_s=4, max_restarts=100),
+    # max_restarts high: on a loaded machine a slow forward can also be taken for a hang (and restarted).
+    # hang_timeout_s is every child's, the consumer's too, whose death ends the run: at 4 s a consumer on the loaded
+    # 2-core CI machine was killed as hung (its idle loop unturned for 4 s while restarted producers imported torch;
+    # SPECRING_CHAOS_SEED=982910624 in a full suite run). 10 s still finds the SIGSTOPped producer well inside the
+    # 30 s the test waits for it.
+    proc = start_launcher(small_flags(dataset, run_dir, 240, hang_timeout_s=10, max_restarts=100),
                           env={"SPECRING_SLOW_WRITE_S": "0.15"}, log_path=tmp_path / "launcher.log")
     killed, stopped = 0, None
     try:
