@@ -188,9 +188,11 @@ def body(ctx: ChildContext) -> None:
             worker = TauWorker(ctx.run_dir, str(device), index=ctx.index, generation=ctx.generation,
                                batch_timeout_s=cfg.monitor.batch_timeout_s,
                                startup_timeout_s=cfg.monitor.startup_timeout_s)
-        compile_s = trainer.warm_up()  # before Hello: a cold compile is start-up (startup_timeout_s), not a hang
-        if compile_s:
-            log.info("warm_up attention=%s compiled=%s seconds=%.1f", trainer.attention, trainer.compiled, compile_s)
+        if not trainer.start_background_warm_up():  # else the compile goes on beside the first, eager steps
+            compile_s = trainer.warm_up()  # before Hello: a cold compile is start-up (startup_timeout_s), not a hang
+            if compile_s:
+                log.info("warm_up attention=%s compiled=%s seconds=%.1f", trainer.attention, trainer.compiled,
+                         compile_s)
         marks["warm_up"] = _since_start()
         ctx.ready()
         marks["ready"] = _since_start()

@@ -28,10 +28,12 @@ Guarantees:
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import math
 import random
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -44,6 +46,7 @@ from specring.shared.config.run_config import RunConfig, TrainerConfig
 from specring.shared.drafters import checkpoint as ckpt
 from specring.shared.drafters import family_of, get_family
 from specring.shared.drafters.contract import ObjectiveContext, StepStats
+from specring.shared.drafters.dflash_blocks import to_device
 from specring.shared.drafters.linear_ce import resolve_linear_ce
 from specring.shared.errors import BadBatch, MessageError
 from specring.shared.run.run_dir import RunDir
@@ -58,6 +61,12 @@ CPU_MAX_MASK_ELEMS = 2 ** 20  # a CPU consumer's max_mask_elems: small groups, n
 def drafter_config_from_run(run: RunConfig):
     """The drafter config of a run, from its drafter family (``run.trainer.drafter``, ``shared.drafters``)."""
     return get_family(run.trainer.drafter).config_from_run(run)
+
+
+def compile_layer(layer: torch.nn.Module) -> None:
+    """``torch.compile`` one draft layer in place (``nn.Module.compile``: parameter names unchanged) with dynamic
+    shapes, inductor's backend: one graph for every batch shape under ``compile_shape_scope``."""
+    layer.compile(dynamic=True)
 
 
 def compile_shape_scope() -> contextlib.AbstractContextManager:
@@ -199,7 +208,7 @@ class Trainer:
         self.compiled = bool(compile_layers)
         if self.compiled:
             for layer in self.family.compiled_modules(self.model):  # in place: parameter names are unchanged
-                layer.compile(dynamic=True)  # one graph for every batch shape (compile_shape_scope)
+                compile_layer(layer)  # one graph for every batch shape (compile_shape_scope)
         self.params = [p for n, p in self.model.named_parameters() if p.requires_grad]
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
@@ -215,6 +224,12 @@ class Trainer:
             max_mask_elems=self.max_mask_elems, loss_chunk_rows=self.loss_chunk_rows, autocast=self.autocast,
             seed=cfg.seed, linear_ce=resolve_linear_ce(cfg.fused_ce, self.device))
 
+        self._background: threading.Thread | None = None  # the compile beside training (start_background_warm_up)
+        self._background_batch: SlotBatch | None = None
+        self._background_batch_ready = threading.Event()
+        self._background_error: BaseException | None = None
+        self._background_form: tuple[str, bool] = (self.attention, self.compiled)  # the form it compiles
+        self._background_t0 = 0.0
         self.step_count = 0              # optimizer steps taken (skipped windows included)
         self.micro_step = 0              # micro-batches seen
         self.trained_batch_ids: list[int] = []
@@ -302,6 +317,116 @@ class Trainer:
             return time.perf_counter() - t0 + self.warm_up()
         return time.perf_counter() - t0
 
+    # ------------------------------------------------------------------ compile beside training
+    def start_background_warm_up(self) -> bool:
+        """Compile the flex form and the compiled layers in a thread while the first steps train eagerly; returns
+        False (nothing started: call ``warm_up`` instead) unless ``cfg.warm_up`` resolves to ``background`` (auto:
+        on CUDA), a form here compiles, and this trainer is a single rank.
+
+        Until the thread ends, steps run the eager ``dense`` attention form (flex families) with eager layers; the
+        step after it ends takes the compiled form back (``_take_compiled_form``; logged ``warm_up background
+        done``). The thread passes, fwd + bwd, the warm-up batch and then a copy of the first real batch
+        (``step``'s first call hands it over) through a *shadow* model: ``copy.deepcopy`` of the drafter with the
+        frozen parameters shared and the trainable ones copied, so the optimizer's in-place updates and the
+        gradients of the live model are never touched, and with its own autocast context (autocast state is per
+        thread). TorchDynamo keeps compiled code per code object, guarded on the inputs' properties, not on the
+        module's identity (the five draft layers share their graphs), so the live layers' ``compile`` finds the
+        shadow's graphs and, having seen a real batch, no guard fails at the first compiled step. A compiler error
+        in the thread is logged at the swap (``compile_failed ...``) and training stays on the eager form. The
+        global RNG is not forked (another thread draws from it): the warm-up's objective draws only from its own
+        seeded generator, and a drafter with dropout would shift the live steps' draws.
+
+        Why: on a cold inductor cache the compile took 35 s before the first step and 16.8 s more at the first real
+        batch on the H200 (docs/performance.md, "Time to the first step")."""
+        mode = self.cfg.warm_up
+        if mode == "auto":
+            mode = "background" if self.device.type == "cuda" else "blocking"
+        uses_flex = self.attention == "flex" and self.family.uses_flex_attention
+        if mode != "background" or not (uses_flex or self.compiled) or self.world_size > 1:
+            return False
+        self._background_form = (self.attention, self.compiled)
+        if self.compiled:
+            for layer in self.family.compiled_modules(self.model):
+                layer._compiled_call_impl = None  # the live layers run eagerly until the swap
+        self.compiled = False
+        if uses_flex:
+            self.attention = "dense"
+        self._background_t0 = time.perf_counter()
+        self._background = threading.Thread(target=self._background_warm_up, name="warm_up", daemon=True)
+        self._background.start()
+        logger.info("warm_up background attention=%s compiled=%s (until it ends: attention=%s, eager layers)",
+                    *self._background_form, self.attention)
+        return True
+
+    @property
+    def warming_up(self) -> bool:
+        """True while the background compile (``start_background_warm_up``) has not been taken over."""
+        return self._background is not None
+
+    def wait_for_warm_up(self, timeout_s: float | None = None) -> bool:
+        """Block until the background compile's thread has ended (at most ``timeout_s`` seconds; None: no limit);
+        True when it has (or none runs). The live model takes the compiled form at the start of the next ``step``,
+        not here."""
+        thread = self._background
+        if thread is not None:
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
+
+    def _background_warm_up(self) -> None:
+        attention, compiled = self._background_form
+        try:
+            shared = {id(p): p for p in self.model.parameters() if not p.requires_grad}
+            shadow = copy.deepcopy(self.model, memo=shared)
+            if compiled:
+                for layer in self.family.compiled_modules(shadow):
+                    compile_layer(layer)
+            autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda"
+                        else contextlib.nullcontext())
+            ctx = dataclasses.replace(self.objective_ctx, model=shadow, attention=attention, autocast=autocast,
+                                      extras={})
+
+            def one_pass(batch: SlotBatch, name: str) -> None:
+                t0, nodes = time.perf_counter(), pytree_registry_size()
+                for _ in range(2):  # once more when the pass registered pytree types (see warm_up)
+                    with compile_shape_scope():
+                        self.family.objective(ctx, batch, [-1], batch.num_tokens, True)
+                    shadow.zero_grad(set_to_none=True)
+                    if pytree_registry_size() == nodes:
+                        break
+                    nodes = pytree_registry_size()
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                logger.info("warm_up background pass=%s seconds=%.1f", name, time.perf_counter() - t0)
+
+            one_pass(self._warm_up_batch(), "synthetic")
+            if self._background_batch_ready.wait(timeout=600.0) and self._background_batch is not None:
+                one_pass(self._background_batch, "first_batch")
+        except BaseException as e:  # noqa: BLE001 - any compiler error; reported at the swap
+            self._background_error = e
+        finally:
+            self._background_batch = None
+
+    def _take_compiled_form(self) -> None:
+        """At the start of a step: when the background compile has ended, the live model takes its form."""
+        if self._background is None or self._background.is_alive():
+            return
+        self._background.join()
+        self._background = None
+        attention, compiled = self._background_form
+        seconds = time.perf_counter() - self._background_t0
+        if self._background_error is not None:
+            e = self._background_error
+            logger.error("compile_failed form=%s fallback=dense+eager_layers error=%s: %s",
+                         "compiled_layers" if compiled else "flex", type(e).__name__, str(e)[:500])
+            return
+        if compiled:
+            for layer in self.family.compiled_modules(self.model):
+                compile_layer(layer)
+        self.attention, self.compiled = attention, compiled
+        logger.info("warm_up background done attention=%s compiled=%s seconds=%.1f eager_micro_steps=%d",
+                    attention, compiled, seconds, self.micro_step)
+
     def _warm_up_once(self) -> None:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             self._forward_backward(self._warm_up_batch(), [-1], checked=True)
@@ -341,6 +466,13 @@ class Trainer:
         ``lr``, ``grad_norm``, ``num_blocks``, ``time``. Raises ``BadBatch`` for a malformed batch and
         after ``max_nonfinite_in_row`` non-finite windows in a row.
         """
+        if self._background is not None:
+            if not self._background_batch_ready.is_set():  # the first real batch: the background pass's second
+                b = as_batch(batch)
+                self._background_batch = dataclasses.replace(b.map_tokens(lambda x: to_device(x, self.device).clone()),
+                                                             cu_seqlens=b.cu_seqlens.clone())
+                self._background_batch_ready.set()
+            self._take_compiled_form()
         if self._window_t0 is None:
             self._window_t0 = time.perf_counter()
         ids = [int(x) for x in batch_ids]

@@ -416,6 +416,11 @@ class TrainerConfig:
                                  "reference, tests); auto: liger on CUDA when installed and the loss allows (ce, no "
                                  "distillation, no selector), else off")
     compile: bool | None = setting(None, help="torch.compile the draft layers; none: on CUDA")
+    warm_up: str = setting("auto", choices=("auto", "background", "blocking"),
+                           help="where the compile of the flex form and the compiled layers runs: background (a "
+                                "thread, on shadow copies of the weights, while the first steps train with eager "
+                                "dense attention; the compiled form takes over after it), blocking (before the "
+                                "consumer is ready); auto: background on CUDA")
     attention: str = setting("auto", choices=("auto", "flex", "dense", "structured"),
                              help="attention form of the drafter's training step; auto: flex on CUDA, "
                                   "structured on CPU")

@@ -509,3 +509,54 @@ def test_a_pytree_type_registered_during_the_warm_up_does_not_retrace_the_first_
         assert retraced == 0, f"{retraced} traces after the warm-up"
     else:
         assert retraced > 0
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_background_warm_up_trains_eagerly_then_takes_the_compiled_form_without_touching_the_weights(
+        few, tmp_path, monkeypatch, fails):
+    """``warm_up="background"``: the compile runs in a thread on a shadow copy of the drafter while the live
+    steps train eagerly; the live weights follow exactly the steps of a trainer that never compiles (the thread's
+    passes touch neither weights nor gradients), the compiled form is taken after the thread's two passes (the
+    warm-up batch, then the first real batch) and traces nothing more for later batches (the shadow's graphs
+    serve the live layers). A compiler error in the thread leaves training on the eager form. The layers are
+    compiled with dynamo's ``aot_eager`` backend (forward and backward graphs, no code generation: seconds on CPU)."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from specring.consumer import trainer as trainer_mod
+
+    def fake_compile(layer):
+        if fails:
+            def broken(gm, example_inputs):
+                raise RuntimeError("no toolchain here")
+            layer.compile(dynamic=True, backend=broken)
+        else:
+            layer.compile(dynamic=True, backend="aot_eager")
+
+    monkeypatch.setattr(trainer_mod, "compile_layer", fake_compile)
+    cfg = small_cfg(warm_up="background", max_steps=len(few) * 3)
+    eager = Trainer(cfg, dcfg_for(cfg, layers=2), TARGET, "cpu", tmp_path / "e", write_metrics=False,
+                    attention="structured", compile_layers=False)
+    torch._dynamo.reset()
+    try:
+        tr = Trainer(cfg, dcfg_for(cfg, layers=2), TARGET, "cpu", tmp_path / "b", write_metrics=False,
+                     attention="structured", compile_layers=True)
+        assert same(weights(tr), weights(eager))
+        assert tr.start_background_warm_up() and tr.warming_up and not tr.compiled
+        batches = few * 3
+        graphs_at_swap = None
+        for k in range(len(batches)):
+            if k == 1:  # the thread's second pass needs the first real batch: hold the second step until it is done
+                assert tr.wait_for_warm_up(120), "the background compile did not end within 120 s"
+                assert tr.warming_up, "the compiled form is taken in a step, not by the thread"
+            a, b = tr.step(batches[k], [k]), eager.step(batches[k], [k])
+            if not tr.warming_up and graphs_at_swap is None:
+                graphs_at_swap = dynamo_utils.counters["stats"]["unique_graphs"]
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-5), k
+        assert not tr.warming_up, "the background compile never ended"
+        assert tr.compiled is (not fails)
+        for k_, v in weights(tr).items():
+            torch.testing.assert_close(v, weights(eager)[k_], rtol=1e-4, atol=1e-5)
+        if not fails:
+            assert graphs_at_swap and dynamo_utils.counters["stats"]["unique_graphs"] == graphs_at_swap
+    finally:
+        torch._dynamo.reset()
