@@ -6,6 +6,8 @@
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_session.sh [steps...] (default: every step)
 #   steps: transport producer producer_hybrid linear_ce trainer trainer_fused eagle3_step first_step eval_batched
 #          fixture qwen regen
+#   env: FIRST_NAME/FIRST_FLAGS/FIRST_STEPS/FIRST_S (first_step), FUSED_NAME/ANCHORS/FORMS/PROFILE/FUSED_S
+#   (trainer_fused): a name per call keeps the outputs of several calls apart in $OUT.
 #   Wheels in .whl/ (pyzmq, flash-linear-attention, fla-core, liger-kernel: the machine has no index) are
 #   installed into /tmp/site first.
 set -u
@@ -37,20 +39,24 @@ has producer_hybrid && step producer_hybrid ${HYBRID_S:-200} python3 benchmarks/
   --compare-linear-attention
 has linear_ce && step linear_ce 120 python3 -m pytest -q -p no:cacheprovider tests/unit/test_linear_ce.py
 has trainer && step trainer 60 python3 benchmarks/trainer.py --device cuda:0 --shape qwen3-8b --seq-len 2048 --num-anchors 512 --steps 4 --warmup 2
-has trainer_fused && step trainer_fused ${FUSED_S:-240} python3 benchmarks/trainer.py --device cuda:0 --shape qwen3-8b \
+has trainer_fused && step ${FUSED_NAME:-trainer_fused} ${FUSED_S:-240} python3 benchmarks/trainer.py --device cuda:0 --shape qwen3-8b \
   --seq-len 2048 --num-anchors ${ANCHORS:-512} --steps 5 --warmup 2 --check --profile ${PROFILE:-0} ${TRACE:+--trace $TRACE} ${SYNC_DEBUG:+--sync-debug} \
   --attention ${FORMS:-flex+compile+fused flex+compile flex+fused flex}
 has eagle3_step && step eagle3_step 200 python3 benchmarks/eagle3_step.py --device cuda:0 \
   --forms batched+compile batched reference --check --profile 2
 if has first_step; then  # a fixture run on the GPU: spawn -> first step, tau evaluated off the training path
+  # FIRST_NAME names the run (runs/gpu-$FIRST_NAME, $OUT/$FIRST_NAME*), FIRST_FLAGS adds launch.py train flags
+  # (e.g. FIRST_FLAGS="--trainer.warm-up blocking"): two calls with their own names compare in one session
+  FN=${FIRST_NAME:-first_step}; FD=runs/gpu-${FN//_/-}
   [ -f data/demo/heldout.arrow ] || python3 launch.py prepare --demo --no-progress > "$OUT/prepare.txt" 2>&1
-  rm -rf runs/gpu-first-step
-  step first_step ${FIRST_S:-240} python3 launch.py train --run-dir runs/gpu-first-step --producers cuda:0 \
-    --consumers cuda:0 --max-steps ${FIRST_STEPS:-600} --checkpoint-every 200 --eval-every 200
-  python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print({k: v for k, v in s.items() if any(w in k for w in ("first", "start", "spawn", "eval", "tau", "elapsed", "steps_per", "tokens_per"))})' \
-    runs/gpu-first-step/summary.json >> "$LOG" 2>&1
-  cp runs/gpu-first-step/summary.json "$OUT/first_step_summary.json" 2>/dev/null
-  cp runs/gpu-first-step/eval.jsonl "$OUT/first_step_eval.jsonl" 2>/dev/null
+  rm -rf "$FD"
+  step "$FN" ${FIRST_S:-240} python3 launch.py train --run-dir "$FD" --producers cuda:0 \
+    --consumers cuda:0 --max-steps ${FIRST_STEPS:-600} --checkpoint-every 200 --eval-every 200 ${FIRST_FLAGS:-}
+  python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print(sys.argv[2], {k: v for k, v in s.items() if any(w in k for w in ("first", "start", "spawn", "eval", "tau", "elapsed", "steps_per", "tokens_per"))})' \
+    "$FD/summary.json" "$FN" >> "$LOG" 2>&1
+  grep -hE "warm_up|startup_s|compile" "$FD"/logs/*.log 2>/dev/null | tail -n 12 >> "$LOG"
+  cp "$FD/summary.json" "$OUT/${FN}_summary.json" 2>/dev/null
+  cp "$FD/eval.jsonl" "$OUT/${FN}_eval.jsonl" 2>/dev/null
 fi
 if has eval_batched; then  # the standard setting (24 held-out prompts, 256 + 256, bf16): batched, then one at a time
   D=${EVAL_DRAFTER:-runs/gpu-first-step}
