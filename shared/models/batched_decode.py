@@ -341,15 +341,17 @@ class _FeatureRows(BatchedProposer):
                     raise ValueError(f"{type(self).__name__}: row {r}'s context at position {s} does not continue "
                                      f"its cache of {lengths[r] + n_row} positions")
                 feats.append(f)
-                rows.append(torch.full((f.shape[0],), r, dtype=torch.long))
-                pos.append(torch.arange(s, s + f.shape[0]))
-                n_row += f.shape[0]
+                n = f.shape[0]
+                rows.extend([r] * n)  # built on the host, one copy each: no operator per row in the decode loop
+                pos.extend(range(s, s + n))
+                n_row += n
             counts.append(n_row)
         self._pending = [[] for _ in self._pending]
         if not feats:
             return None
-        return (torch.cat([f.to(device) for f in feats]), torch.cat(rows).to(device), torch.cat(pos).to(device),
-                counts)
+        packed = torch.cat(feats) if len(feats) > 1 else feats[0]
+        return (packed.to(device), torch.tensor(rows, dtype=torch.long, device=device),
+                torch.tensor(pos, dtype=torch.long, device=device), counts)
 
 
 class BatchedDFlash(_FeatureRows):
