@@ -23,17 +23,21 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from specring.shared.data.demo import ensure_demo
-from specring.shared.data.prompts import load_prompts
-from specring.shared.drafters import checkpoint as ckpt
-from specring.shared.drafters import get_family
-from specring.shared.models import batched_decode as bd
-from specring.shared.models.ngram import PromptLookupProposer
-from specring.shared.models.target import load_target
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's specring, installed or not
+
+from specring.shared.data.demo import ensure_demo  # noqa: E402
+from specring.shared.data.prompts import load_prompts  # noqa: E402
+from specring.shared.drafters import checkpoint as ckpt  # noqa: E402
+from specring.shared.drafters import get_family  # noqa: E402
+from specring.shared.models import batched_decode as bd  # noqa: E402
+from specring.shared.models.ngram import PromptLookupProposer  # noqa: E402
+from specring.shared.models.target import load_target  # noqa: E402
 
 
 @contextlib.contextmanager
