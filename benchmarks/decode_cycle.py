@@ -37,6 +37,7 @@ from specring.shared.drafters import checkpoint as ckpt  # noqa: E402
 from specring.shared.drafters import get_family  # noqa: E402
 from specring.shared.models import batched_decode as bd  # noqa: E402
 from specring.shared.models.ngram import PromptLookupProposer  # noqa: E402
+from specring.shared.models.speculative import target_vocab_size  # noqa: E402
 from specring.shared.models.target import load_target  # noqa: E402
 
 
@@ -110,14 +111,14 @@ def main() -> None:
     args = ap.parse_args()
     dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     step = ckpt.resolve_checkpoint(args.drafter)
-    target, hf_config = load_target(ckpt.target_of_checkpoint(step), args.device, dtype)
+    target, _ = load_target(ckpt.target_of_checkpoint(step), args.device, dtype)
     drafter = ckpt.load_drafter(step, device=args.device, dtype=next(target.parameters()).dtype)
     family = get_family(ckpt.drafter_kind(step))
     prompts = load_prompts(args.data or ensure_demo()[1], args.num_prompts, args.prompt_len)
     rows = {
         "drafter": (family.proposer(drafter, block_size=args.block_size, num_draft_tokens=args.block_size - 1),
                     list(drafter.config.target_layer_ids)),
-        "prompt_lookup": (PromptLookupProposer(args.ngram_max, vocab_size=hf_config.vocab_size), None),
+        "prompt_lookup": (PromptLookupProposer(args.ngram_max, vocab_size=target_vocab_size(target)), None),
     }
     with bd.decode_attention_backends():
         bd.batched_greedy_generate(target, [[0, 1, 2, 3], [0, 1]], 4)  # warm-up: one-time costs out of the times
@@ -131,7 +132,7 @@ def main() -> None:
     print(f"propose_ops_vs_verify={d['propose_ops'] / d['verify_ops']:.3f}")
     cycle_ratio = (d["verify_ops"] + d["propose_ops"]) / (p["verify_ops"] + p["propose_ops"])
     print(f"break_even_tau_pooled_ratio={cycle_ratio:.3f}")
-    print(f"tau_pooled_ratio={got['drafter']['tau_pooled'] / got['prompt_lookup']['tau_pooled']:.3f}")
+    print(f"tau_pooled_ratio={d['tau_pooled'] / p['tau_pooled']:.3f}")
 
 
 if __name__ == "__main__":

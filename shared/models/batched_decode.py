@@ -349,8 +349,7 @@ class _FeatureRows(BatchedProposer):
         self._pending = [[] for _ in self._pending]
         if not feats:
             return None
-        packed = torch.cat(feats) if len(feats) > 1 else feats[0]
-        return (packed.to(device), torch.tensor(rows, dtype=torch.long, device=device),
+        return (torch.cat(feats).to(device), torch.tensor(rows, dtype=torch.long, device=device),
                 torch.tensor(pos, dtype=torch.long, device=device), counts)
 
 
