@@ -5,7 +5,8 @@
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_drafter.sh [steps...]
 #   A schedule longer than one 10-minute device call: FINAL_STEPS=9600 FINAL_S=420 ... regen final, then on the still
 #   warm machine FINAL_S=540 ... final_resume (repeat while steps remain), then ... final_eval.
-#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 scale recipe20 eval_attention peers (default: bench regen baselines
+#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 scale recipe20 sweep23 eval_attention
+#   peers (default: bench regen baselines
 #   sweep). peers: benchmarks/peers.py (Model-Optimizer's and speculators' DFlash trainers, PEERS_MIN minutes each, the
 #   wheels of .whl/ installed into /tmp/site: the device call carries .whl); PEERS=modelopt / PEERS=speculators in two
 #   calls on the warm machine fit the 10-minute limit, the table accumulates in /tmp/specring-peers/results.jsonl.
@@ -171,6 +172,37 @@ if has recipe20; then  # issue 23: the whole recipe inside 20 GPU-minutes (regen
   summarize recipe20
   step recipe20_eval ${R20_EVAL_S:-300} python3 launch.py eval --drafter runs/recipe20 --baselines prompt-lookup \
     --output-json "$OUT/recipe20_eval.json"
+fi
+if has sweep23; then  # issue 23: where a recipe step goes (phases, torch profiler), then a sweep side by side
+  echo "=== sweep23 (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
+  SW=data/demo/regen_s${SW_STRIDE:-128}.arrow
+  [ -f $SW ] || step regen_sw ${SW_REGEN_S:-400} python3 launch.py regenerate --target assets/tiny-code-lm \
+    --input data/demo/train.arrow --output $SW --max-new-tokens 256 --prefix-len 256 --stride ${SW_STRIDE:-128} \
+    --batch-size 2048 --shard-size 2048 --devices cuda:0 --no-progress
+  regen_summary regen_sw $SW
+  RECIPE=(--data $SW --label-source target --target-layers 1,3,5,6,7 --lr 2e-3 --heldout data/demo/heldout.arrow \
+    --eval-prompts 24 --eval-prompt-len 256 --eval-max-new-tokens 256)
+  # the recipe alone (two producers and the consumer on cuda:0): step_phases lines and a torch-profiler window
+  SPECRING_PROFILE_STEPS=${PROF_STEPS:-600:20} train_for prof ${PROF_S:-130} --producers cuda:0,cuda:0 \
+    --consumers cuda:0 --run-dir runs/prof --max-steps 12000 --checkpoint-every 1500 "${RECIPE[@]}"
+  grep -h "step_phases\|profile_written\|first_step_s\|startup_s" runs/prof/logs/consumer-0.log >> "$LOG"
+  head -n 60 runs/prof/profile/consumer-0.txt > "$OUT/prof_consumer.txt" 2>/dev/null
+  # the sweep: each run one producer and the consumer on cuda:0, all side by side for the same wall time
+  run4() { local name=$1; shift; python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name \
+      --max-steps ${SW_STEPS:-6000} --checkpoint-every ${SW_CKPT:-1000} "${RECIPE[@]}" "$@" > "$OUT/run_$name.txt" 2>&1 & }
+  run4 sw_base
+  run4 sw_tokens16k --max-tokens 16384
+  run4 sw_dpace --loss dpace
+  ( sleep ${SW_S:-420}; pkill -INT -f "launch.py train" ) & KILLER=$!
+  wait $(jobs -p | grep -v $KILLER) 2>/dev/null; kill $KILLER 2>/dev/null
+  summarize sw_base sw_tokens16k sw_dpace
+  for r in sw_base sw_tokens16k sw_dpace; do
+    grep -h "step_phases" runs/$r/logs/consumer-0.log | tail -n 2 >> "$LOG"
+    step eval_$r ${SW_EVAL_S:-150} python3 launch.py eval --drafter runs/$r --baselines prompt-lookup \
+      --output-json "$OUT/eval_$r.json"
+  done
+  step decode_cycle ${DC_S:-150} python3 benchmarks/decode_cycle.py --drafter runs/sw_base --num-prompts 24 \
+    --max-new-tokens 256
 fi
 if has eval_attention; then  # issue 25 item 4: the eval's rows with cuDNN attention (the baseline) and without
   step eval_attention ${EVAL_ATTN_S:-300} python3 benchmarks/eval_attention.py --repeats 2 -- --drafter ${EVAL_ATTN_RUN:-runs/recipe20} \

@@ -209,9 +209,12 @@ def body(ctx: ChildContext) -> None:
 
 def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, worker=None, world: int = 1,
           tuner=None) -> None:
+    from specring.consumer.step_profile import ProfileWindow, StepPhases
     from specring.consumer.trainer import check_batch
 
     cfg = ctx.config
+    phases = StepPhases(every=min(500, cfg.trainer.checkpoint_every))
+    profile = ProfileWindow(ctx.run_dir, ctx.index, reader.device)
     tokens, t0 = 0, time.monotonic()
     last_ckpt = (trainer.step_count, None)  # (step, path) of the last checkpoint written here
     first_batch_at: float | None = None
@@ -264,11 +267,35 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, worker=None
         if with_eval and cfg.trainer.eval_every == 0:
             evaluate()
 
+    def _after_step(result) -> None:
+        nonlocal last_loss, stepped
+        if result["optimizer_step"]:
+            if rank == 0:  # rank 0 speaks for the whole group: result["batch_ids"] holds every rank's ids
+                ctx.send(m.Trained(consumer=ctx.index, step=trainer.step_count, batch_ids=list(result["batch_ids"]),
+                                   loss=float(result["loss"]), num_tokens=int(result["num_tokens"]),
+                                   skipped=bool(result["skipped"])))
+            last_loss = float(result["loss"])
+            if not stepped:  # the first step of this process
+                stepped = True
+                log.info("first_step_s=%.1f first_batch_s=%.1f", _since_start(), first_batch_at)
+                if worker is not None:  # the evaluator starts now: it never delays the first step
+                    worker.start(trainer.step_count)
+            if trainer.step_count % cfg.trainer.checkpoint_every == 0:
+                checkpoint()
+            if cfg.trainer.eval_every and trainer.step_count % cfg.trainer.eval_every == 0:
+                evaluate()
+            line = phases.optimizer_step(trainer.step_count)
+            if line is not None:
+                log.info("%s", line)
+            profile.after_step(trainer.step_count)
+
     while not ctx.stopping:
         ctx.tick()
         if worker is not None:
             worker.poll()
+        phases.mark_wait_start()
         msg = ctx.recv(timeout_s=IDLE_POLL_S)
+        phases.end_wait()
         if msg is None:
             continue
         if isinstance(msg, MessageError):
@@ -288,8 +315,9 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, worker=None
             first_batch_at = _since_start()
         with ctx.working(f"batch {msg.batch_id}"):
             try:
-                batch = reader.copy_in(msg, check=lambda views: check_batch(views, trainer.dcfg,
-                                                                           cfg.trainer.label_source))
+                with phases.phase("copy"):
+                    batch = reader.copy_in(msg, check=lambda views: check_batch(views, trainer.dcfg,
+                                                                               cfg.trainer.label_source))
             except (SlotError, MessageError, BadBatchError) as e:
                 log.error("bad_slot producer=%d slot=%d batch=%d error=%s", msg.producer, msg.slot, msg.batch_id, e)
                 ctx.send(m.BadBatch(producer=msg.producer, generation=msg.generation, slot=msg.slot,
@@ -298,28 +326,16 @@ def _loop(ctx: ChildContext, trainer, reader: SlotReader, rank: int, worker=None
             ctx.send(m.SlotReleased(producer=msg.producer, generation=msg.generation, slot=msg.slot,
                                     batch_id=msg.batch_id))
             t_step = time.perf_counter()
-            result = trainer.step(batch, [msg.batch_id], checked=True)
+            with phases.phase("train"):
+                result = trainer.step(batch, [msg.batch_id], checked=True)
             del batch
             if tuner is not None and tuner.active and world == 1:  # ranks of a group keep one thread count
                 n = tuner.record(time.perf_counter() - t_step, max(1, int(msg.num_tokens)))
                 if n is not None:
                     torch.set_num_threads(n)
         tokens += int(msg.num_tokens)
-        if result["optimizer_step"]:
-            if rank == 0:  # rank 0 speaks for the whole group: result["batch_ids"] holds every rank's ids
-                ctx.send(m.Trained(consumer=ctx.index, step=trainer.step_count, batch_ids=list(result["batch_ids"]),
-                                   loss=float(result["loss"]), num_tokens=int(result["num_tokens"]),
-                                   skipped=bool(result["skipped"])))
-            last_loss = float(result["loss"])
-            if not stepped:  # the first step of this process
-                stepped = True
-                log.info("first_step_s=%.1f first_batch_s=%.1f", _since_start(), first_batch_at)
-                if worker is not None:  # the evaluator starts now: it never delays the first step
-                    worker.start(trainer.step_count)
-            if trainer.step_count % cfg.trainer.checkpoint_every == 0:
-                checkpoint()
-            if cfg.trainer.eval_every and trainer.step_count % cfg.trainer.eval_every == 0:
-                evaluate()
+        with phases.phase("after"):
+            _after_step(result)
 
 
 def main(argv: list[str] | None = None) -> int:

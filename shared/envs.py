@@ -50,6 +50,8 @@ SLOW_CHECKPOINT_S = "SPECRING_SLOW_CHECKPOINT_S"
 SLOW_EVAL_S = "SPECRING_SLOW_EVAL_S"
 FAIL_EVAL = "SPECRING_FAIL_EVAL"
 SLOW_SHARD_S = "SPECRING_SLOW_SHARD_S"
+# diagnostics
+PROFILE_STEPS = "SPECRING_PROFILE_STEPS"
 
 VARIABLES: dict[str, EnvVar] = _declare(
     EnvVar(RUN_ID, "specring", "marks every process of a run (its children inherit it): `launch.py clean` and the "
@@ -66,6 +68,8 @@ VARIABLES: dict[str, EnvVar] = _declare(
     EnvVar(SLOW_EVAL_S, "test", "seconds the tau evaluation sleeps after each prompt"),
     EnvVar(FAIL_EVAL, "test", "1: the tau evaluation raises before its first prompt"),
     EnvVar(SLOW_SHARD_S, "test", "seconds a regenerate worker sleeps after each shard"),
+    EnvVar(PROFILE_STEPS, "user", "START:COUNT: each consumer runs torch.profiler over optimizer steps START.."
+                                  "START+COUNT-1 and writes RUN_DIR/profile/consumer-I.txt (consumer.step_profile)"),
     EnvVar("NNODES", "launcher", "nodes of a multi-node run (with NODE_RANK, MASTER_ADDR, MASTER_PORT)"),
     EnvVar("NODE_RANK", "launcher", "this node's rank"),
     EnvVar("MASTER_ADDR", "launcher", "node 0's address"),
