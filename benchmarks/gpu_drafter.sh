@@ -183,26 +183,33 @@ if has sweep23; then  # issue 23: where a recipe step goes (phases, torch profil
   RECIPE=(--data $SW --label-source target --target-layers 1,3,5,6,7 --lr 2e-3 --heldout data/demo/heldout.arrow \
     --eval-prompts 24 --eval-prompt-len 256 --eval-max-new-tokens 256)
   # the recipe alone (two producers and the consumer on cuda:0): step_phases lines and a torch-profiler window
-  SPECRING_PROFILE_STEPS=${PROF_STEPS:-600:20} train_for prof ${PROF_S:-130} --producers cuda:0,cuda:0 \
-    --consumers cuda:0 --run-dir runs/prof --max-steps 12000 --checkpoint-every 1500 "${RECIPE[@]}"
-  grep -h "step_phases\|profile_written\|first_step_s\|startup_s" runs/prof/logs/consumer-0.log >> "$LOG"
-  head -n 60 runs/prof/profile/consumer-0.txt > "$OUT/prof_consumer.txt" 2>/dev/null
-  # the sweep: each run one producer and the consumer on cuda:0, all side by side for the same wall time
+  if [ "${PROF_S:-130}" != 0 ]; then
+    SPECRING_PROFILE_STEPS=${PROF_STEPS:-600:20} train_for prof ${PROF_S:-130} --producers cuda:0,cuda:0 \
+      --consumers cuda:0 --run-dir runs/prof --max-steps 12000 --checkpoint-every 1500 "${RECIPE[@]}"
+    grep -h "step_phases\|profile_written\|first_step_s\|startup_s" runs/prof/logs/consumer-0.log >> "$LOG"
+    head -n 60 runs/prof/profile/consumer-0.txt > "$OUT/prof_consumer.txt" 2>/dev/null
+  fi
+  # the sweep: each run one producer and the consumer on cuda:0, all side by side for the same wall time;
+  # SW_RUNS: "NAME|FLAGS;NAME|FLAGS;..."
   run4() { local name=$1; shift; python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name \
       --max-steps ${SW_STEPS:-6000} --checkpoint-every ${SW_CKPT:-1000} "${RECIPE[@]}" "$@" > "$OUT/run_$name.txt" 2>&1 & }
-  run4 sw_base
-  run4 sw_tokens16k --max-tokens 16384
-  run4 sw_dpace --loss dpace
+  NAMES=()
+  IFS=';' read -ra SPECS <<< "${SW_RUNS:-sw_base|;sw_tokens16k|--max-tokens 16384;sw_dpace|--trainer.loss dpace}"
+  for spec in "${SPECS[@]}"; do
+    name=${spec%%|*}; flags=${spec#*|}; NAMES+=("$name")
+    # shellcheck disable=SC2086
+    run4 "$name" $flags
+  done
   ( sleep ${SW_S:-420}; pkill -INT -f "launch.py train" ) & KILLER=$!
   wait $(jobs -p | grep -v $KILLER) 2>/dev/null; kill $KILLER 2>/dev/null
-  summarize sw_base sw_tokens16k sw_dpace
-  for r in sw_base sw_tokens16k sw_dpace; do
+  summarize "${NAMES[@]}"
+  for r in "${NAMES[@]}"; do
     grep -h "step_phases" runs/$r/logs/consumer-0.log | tail -n 2 >> "$LOG"
     step eval_$r ${SW_EVAL_S:-150} python3 launch.py eval --drafter runs/$r --baselines prompt-lookup \
       --output-json "$OUT/eval_$r.json"
   done
-  step decode_cycle ${DC_S:-150} python3 benchmarks/decode_cycle.py --drafter runs/sw_base --num-prompts 24 \
-    --max-new-tokens 256
+  [ "${DC_S:-150}" != 0 ] && step decode_cycle ${DC_S:-150} python3 benchmarks/decode_cycle.py \
+    --drafter runs/${NAMES[0]} --num-prompts 24 --max-new-tokens 256
 fi
 if has eval_attention; then  # issue 25 item 4: the eval's rows with cuDNN attention (the baseline) and without
   step eval_attention ${EVAL_ATTN_S:-300} python3 benchmarks/eval_attention.py --repeats 2 -- --drafter ${EVAL_ATTN_RUN:-runs/recipe20} \
