@@ -168,7 +168,7 @@ if has recipe20; then  # issue 23: the whole recipe inside 20 GPU-minutes (regen
   train_for recipe20 $LEFT --producers cuda:0,cuda:0 --consumers cuda:0 --run-dir runs/recipe20 --data $R20 \
     --label-source target --target-layers 1,3,5,6,7 --lr 2e-3 --max-steps ${R20_STEPS:-12000} \
     --checkpoint-every ${R20_CKPT:-1500} --heldout data/demo/heldout.arrow --eval-prompts 24 --eval-prompt-len 256 \
-    --eval-max-new-tokens 256 "${ATTN_CFG[@]}"
+    --eval-max-new-tokens 256 "${ATTN_CFG[@]}" ${R20_ARGS:-}
   summarize recipe20
   step recipe20_eval ${R20_EVAL_S:-300} python3 launch.py eval --drafter runs/recipe20 --baselines prompt-lookup \
     --output-json "$OUT/recipe20_eval.json"
