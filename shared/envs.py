@@ -52,6 +52,7 @@ FAIL_EVAL = "SPECRING_FAIL_EVAL"
 SLOW_SHARD_S = "SPECRING_SLOW_SHARD_S"
 # diagnostics
 PROFILE_STEPS = "SPECRING_PROFILE_STEPS"
+DECODE_GRAPHS = "SPECRING_DECODE_GRAPHS"
 
 VARIABLES: dict[str, EnvVar] = _declare(
     EnvVar(RUN_ID, "specring", "marks every process of a run (its children inherit it): `launch.py clean` and the "
@@ -70,6 +71,9 @@ VARIABLES: dict[str, EnvVar] = _declare(
     EnvVar(SLOW_SHARD_S, "test", "seconds a regenerate worker sleeps after each shard"),
     EnvVar(PROFILE_STEPS, "user", "START:COUNT: each consumer runs torch.profiler over optimizer steps START.."
                                   "START+COUNT-1 and writes RUN_DIR/profile/consumer-I.txt (consumer.step_profile)"),
+    EnvVar(DECODE_GRAPHS, "user", "0: the batched DFlash propose of launch.py eval runs eagerly on CUDA instead of "
+                                  "as CUDA graphs (shared.models.batched_dflash_graphs), to measure one against "
+                                  "the other"),
     EnvVar("NNODES", "launcher", "nodes of a multi-node run (with NODE_RANK, MASTER_ADDR, MASTER_PORT)"),
     EnvVar("NODE_RANK", "launcher", "this node's rank"),
     EnvVar("MASTER_ADDR", "launcher", "node 0's address"),
@@ -124,12 +128,13 @@ def is_set(name: str) -> bool:
     return known(name) in os.environ
 
 
-def flag(name: str) -> bool:
-    """``$name`` as a switch: unset, empty or ``0`` is off, ``1`` is on; ``ConfigError`` naming it otherwise."""
+def flag(name: str, default: bool = False) -> bool:
+    """``$name`` as a switch: ``0`` is off, ``1`` is on, unset or empty is ``default``; ``ConfigError`` naming it
+    otherwise."""
     text = (get(name) or "").strip()
     if text not in ("", "0", "1"):
         raise ConfigError(f"{name}={text!r} must be 0 or 1")
-    return text == "1"
+    return default if text == "" else text == "1"
 
 
 def seconds(name: str) -> float:

@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from specring.shared import envs
 from specring.shared.models.speculative import (
     DecodeResult,
     DFlash2Proposer,
@@ -574,7 +575,8 @@ class BatchedEagle3(_FeatureRows):
 
 def batched_proposer(proposer) -> BatchedProposer | None:
     """The batched form of a one-prompt proposer (a new object; the proposer is not changed), or None when it
-    has none: ``DFlashProposer`` (DFlash), ``DFlash2Proposer``, ``Eagle3Proposer``, ``PromptLookupProposer``,
+    has none: ``DFlashProposer`` (DFlash; on CUDA ``GraphedDFlash``, its propose replayed as CUDA graphs, unless
+    ``SPECRING_DECODE_GRAPHS=0``), ``DFlash2Proposer``, ``Eagle3Proposer``, ``PromptLookupProposer``,
     by exact class (a subclass may change what a row sees)."""
     from specring.shared.models.ngram import PromptLookupProposer
     if isinstance(proposer, BatchedProposer):
@@ -583,6 +585,9 @@ def batched_proposer(proposer) -> BatchedProposer | None:
     if kind is PromptLookupProposer:
         return BatchedPromptLookup(proposer)
     if kind is DFlashProposer:
+        if proposer.drafter.fc.weight.device.type == "cuda" and envs.flag(envs.DECODE_GRAPHS, True):
+            from specring.shared.models.batched_dflash_graphs import GraphedDFlash
+            return GraphedDFlash(proposer)
         return BatchedDFlash(proposer, selector=False)
     if kind is DFlash2Proposer:
         return BatchedDFlash(proposer, selector=True)
