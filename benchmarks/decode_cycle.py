@@ -12,7 +12,9 @@ verify_ms=A propose_ms=B cycles=C tau_pooled=T wall_s=W``; then ``propose_ops_vs
 ``tau_pooled_ratio=X`` (drafter over prompt lookup, this run). Operators are the top-level ``aten::`` calls of
 ``torch.profiler`` (CPU activity) in one profiled decode;
 the times come from a second, unprofiled decode (with ``torch.cuda.synchronize`` around each call on a GPU, which
-adds a sync per call: compare the two proposers within one run).
+adds a sync per call: compare the two proposers within one run). On CUDA a DFlash drafter's ``propose`` is the
+CUDA-graph form (``shared.models.batched_dflash_graphs``): a graph replay is no ``aten::`` call, so its operators
+are what stays on the host; ``SPECRING_DECODE_GRAPHS=0`` measures the eager form.
 
     python benchmarks/decode_cycle.py --drafter runs/recipe20 --num-prompts 24 --max-new-tokens 256
     python benchmarks/decode_cycle.py --drafter runs/latest --device cpu --num-prompts 4 --max-new-tokens 32
