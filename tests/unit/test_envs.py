@@ -59,5 +59,9 @@ def test_readers_refuse_undeclared_names_and_parse_with_the_name_in_the_error(mo
     monkeypatch.setenv(envs.FAULT_HELPERS, "yes")
     with pytest.raises(Exception, match="SPECRING_FAULT_HELPERS='yes' must be 0 or 1"):
         envs.flag(envs.FAULT_HELPERS)
+    monkeypatch.delenv(envs.DECODE_GRAPHS, raising=False)
+    assert envs.flag(envs.DECODE_GRAPHS, True) and not envs.flag(envs.DECODE_GRAPHS)   # unset: the default
+    monkeypatch.setenv(envs.DECODE_GRAPHS, "0")
+    assert not envs.flag(envs.DECODE_GRAPHS, True)
     monkeypatch.setenv("HF_HUB_OFFLINE", "True")
     assert envs.truthy("HF_HUB_OFFLINE") and envs.is_set("HF_HUB_OFFLINE")
