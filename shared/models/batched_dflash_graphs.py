@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from specring.shared.models.batched_decode import BatchedDFlash, _ContextCache
+from specring.shared.models.batched_proposers import BatchedDFlash, _ContextCache
 
 _CAP_ROUND = 64  # the cache capacity is a multiple of this many columns
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from specring.shared.drafters import get_family
-from specring.shared.models.batched_decode import BatchedDFlash, batched_proposer, batched_speculative_generate
+from specring.shared.models.batched_decode import batched_proposer, batched_speculative_generate
 from specring.shared.models.batched_dflash_graphs import GraphedDFlash
+from specring.shared.models.batched_proposers import BatchedDFlash
 from specring.shared.models.speculative import speculative_generate
 from tests.unit import test_batched_decode as tbd
 from tests.unit.test_batched_decode import LAYERS, NEW, assert_same, drafter, recording
