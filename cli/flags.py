@@ -518,7 +518,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     specs = field_specs()
     base = RunConfig().to_dict()
     for spec in specs.values():
-        if spec.meta.get("machine_default"):
+        if spec.meta.get("machine_default") and spec.key not in given:  # (devices: torch asked only when needed)
             _set(base, spec.key, spec.meta["machine_default"]())
     sources = {}
     for key, (value, source) in given.items():
