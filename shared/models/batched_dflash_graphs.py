@@ -183,15 +183,12 @@ class GraphedDFlash(BatchedDFlash):
 
     @torch.no_grad()
     def propose(self, seqs, k):
-        k = min(int(k), self.block_size - 1)
-        if k <= 0:
+        b = self._block_width(k)
+        if b <= 1:
             return [[] for _ in seqs]
+        k = b - 1
         d = self.drafter
         cfg = d.config
-        b = k + 1
-        w = cfg.sliding_window
-        if w is not None and "sliding_attention" in cfg.resolved_layer_types() and b > w:
-            raise ValueError(f"block_size: {b} > sliding_window {w}")
         if len(seqs) != len(self.phys):
             raise ValueError(f"GraphedDFlash.propose: {len(seqs)} sequences for {len(self.phys)} live rows")
         self._feed()

@@ -200,17 +200,22 @@ class BatchedDFlash(_FeatureRows):
             out[t] = torch.cat([ctx, own[None].expand(a, b, b)], dim=2)
         return out
 
+    def _block_width(self, k) -> int:
+        """The width ``b = k + 1`` of a block proposing ``k`` drafts (``k`` capped at ``block_size - 1``); 1 when
+        there is nothing to propose. Raises ``ValueError`` for a block wider than a sliding window."""
+        b = min(int(k), self.block_size - 1) + 1
+        w = self.drafter.config.sliding_window
+        if b > 1 and w is not None and "sliding_attention" in self.drafter.config.resolved_layer_types() and b > w:
+            raise ValueError(f"block_size: {b} > sliding_window {w}")
+        return b
+
     @torch.no_grad()
     def propose(self, seqs, k):
-        k = min(int(k), self.block_size - 1)
-        if k <= 0:
+        b = self._block_width(k)
+        if b <= 1:
             return [[] for _ in seqs]
         d = self.drafter
         cfg = d.config
-        b = k + 1
-        w = cfg.sliding_window
-        if w is not None and "sliding_attention" in cfg.resolved_layer_types() and b > w:
-            raise ValueError(f"block_size: {b} > sliding_window {w}")
         self._feed()
         dev = d.fc.weight.device
         anchor_pos = torch.tensor([len(s) - 1 for s in seqs], device=dev)
