@@ -5,7 +5,8 @@
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_drafter.sh [steps...]
 #   A schedule longer than one 10-minute device call: FINAL_STEPS=9600 FINAL_S=420 ... regen final, then on the still
 #   warm machine FINAL_S=540 ... final_resume (repeat while steps remain), then ... final_eval.
-#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 scale recipe20 sweep23 eval_attention
+#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 scale ce_bench recipe20 sweep23
+#   eval_attention
 #   peers (default: bench regen baselines
 #   sweep). peers: benchmarks/peers.py (Model-Optimizer's and speculators' DFlash trainers, PEERS_MIN minutes each, the
 #   wheels of .whl/ installed into /tmp/site: the device call carries .whl); PEERS=modelopt / PEERS=speculators in two
@@ -156,6 +157,19 @@ if has scale; then  # issue 23: data at scale (every 128 tokens a prompt), draft
     done
   fi
 fi
+if has ce_bench; then  # issue 23/25: the head's loss at the fixture's vocabulary (8,192), fused (Liger) against chunked,
+  # the recipe's batch shape (16 sequences of 512 tokens, 512 anchors each), and where a step waits for the device
+  step ce_bench ${CE_BENCH_S:-240} python3 benchmarks/trainer.py --device cuda:0 --shape tiny --seqs 16 --seq-len 512 \
+    --num-anchors 512 --steps 30 --warmup 5 --check --sync-debug --attention flex+compile flex+compile+fused
+  grep -E "^form=|sync|positions_per_s_vs" "$OUT/ce_bench.txt" >> "$LOG"
+  # recipe20 takes the faster loss; its schedule grows by the measured ratio (the budget stops it either way)
+  CE_RATIO=$(grep -oP 'positions_per_s_vs_flex\+compile\+fused=\K[0-9.]+' "$OUT/ce_bench.txt")
+  if [ -n "$CE_RATIO" ] && python3 -c "import sys; sys.exit(0 if float('$CE_RATIO') > 1.02 else 1)"; then
+    R20_ARGS="${R20_ARGS:-} --trainer.fused-ce off"
+    R20_STEPS=${R20_STEPS:-$(python3 -c "print(int(12000 * min(1.6, 0.95 * float('$CE_RATIO')) // 100 * 100))")}
+  fi
+  echo "ce_bench ratio=${CE_RATIO:-none} recipe20 args=${R20_ARGS:-} steps=${R20_STEPS:-12000}" | tee -a "$LOG"
+fi
 if has recipe20; then  # issue 23: the whole recipe inside 20 GPU-minutes (regenerate + train), then the standard eval
   echo "=== recipe20 (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
   R20=data/demo/regen_s${R20_STRIDE:-64}.arrow; R0=$(date +%s)
@@ -172,6 +186,13 @@ if has recipe20; then  # issue 23: the whole recipe inside 20 GPU-minutes (regen
   summarize recipe20
   step recipe20_eval ${R20_EVAL_S:-300} python3 launch.py eval --drafter runs/recipe20 --baselines prompt-lookup \
     --output-json "$OUT/recipe20_eval.json"
+  # the drafter itself comes back (a CPU eval of it later needs no device time)
+  LAST=$(ls -d runs/recipe20/checkpoints/step-* 2>/dev/null | tail -n 1)
+  [ -n "$LAST" ] && tar czf "$OUT/recipe20_ckpt.tgz" --ignore-failed-read -C runs/recipe20 "checkpoints/$(basename "$LAST")" \
+    $(cd runs/recipe20 && ls *.json *.toml 2>/dev/null)
+  # one prompt at a time (z-lab's benchmark decodes batch 1): every row's speed-up without the batch's slowest row
+  [ "${R20_BS1_S:-200}" != 0 ] && step recipe20_eval_bs1 ${R20_BS1_S:-200} python3 launch.py eval --drafter runs/recipe20 \
+    --baselines prompt-lookup --batch-size 1 --output-json "$OUT/recipe20_eval_bs1.json"
 fi
 if has sweep23; then  # issue 23: where a recipe step goes (phases, torch profiler), then a sweep side by side
   echo "=== sweep23 (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
