@@ -58,6 +58,7 @@ from specring.shared.models.dflash import DFlashConfig  # noqa: E402
 from specring.shared.transport.slot_batch import SlotBatch  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.4
+REPO_ROOT = str(Path(__file__).resolve().parent.parent)  # sync_sites names the frames under it (any checkout path)
 
 # the fastest flex attention configurations of inductor's autotune for the Qwen3-8B shape on the H200
 # (2026-12-03, docs/performance.md): forward 128 x 64 tiles with 8 warps, backward 32/64/64/32 with 4 warps
@@ -191,8 +192,8 @@ def sync_sites(trainer: Trainer, batches: list[dict], device) -> None:
     def record(message, category, filename, lineno, file=None, line=None):
         if "synchroniz" not in str(message):
             return shown(message, category, filename, lineno, file, line)
-        frames = [f for f in traceback.extract_stack()[:-1] if "specring" in f.filename or "benchmarks" in f.filename]
-        key = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))
+        frames = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(REPO_ROOT)]  # the project's own
+        key = " <- ".join(f"{Path(f.filename).relative_to(REPO_ROOT)}:{f.lineno}" for f in reversed(frames[-4:]))
         sites[key] = sites.get(key, 0) + 1
 
     sync(device)

@@ -44,6 +44,7 @@ REPORT_BACKENDS = ("tensorboard", "wandb", "mlflow")   # --report-to (supervisor
 DRAFTERS = DRAFTER_NAMES            # the --drafter choices: every registered family (shared/config/families.py)
 LOSSES = ("ce", "dpace")
 FUSED_CE = ("auto", "liger", "torch", "off")  # shared.drafters.linear_ce.resolve_linear_ce
+LIGER_AUTO_MIN_VOCAB = 65_536  # fused_ce auto: Liger from this vocabulary size up (resolve_linear_ce says why)
 
 
 MAX_SECONDS = 10**6                  # ~11.6 days: the longest duration any timeout or interval may ask for
@@ -413,8 +414,9 @@ class TrainerConfig:
     fused_ce: str = setting("auto", choices=FUSED_CE,
                             help="DFlash families' cross-entropy over the LM head: liger (Liger Kernel's fused linear "
                                  "+ cross-entropy, CUDA), off (chunked float32 logits), torch (the fused path's "
-                                 "reference, tests); auto: liger on CUDA when installed and the loss allows (ce, no "
-                                 "distillation, no selector), else off")
+                                 "reference, tests); auto: liger on CUDA when installed, the vocabulary has at least "
+                                 f"{LIGER_AUTO_MIN_VOCAB:,} tokens and the loss allows (ce, no distillation, no "
+                                 "selector), else off")
     compile: bool | None = setting(None, help="torch.compile the draft layers; none: on CUDA")
     warm_up: str = setting("auto", choices=("auto", "background", "blocking"),
                            help="where the compile of the flex form and the compiled layers runs: background (a "

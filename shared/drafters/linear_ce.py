@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specring.shared.config.run_config import FUSED_CE
+from specring.shared.config.run_config import FUSED_CE, LIGER_AUTO_MIN_VOCAB
 
 IGNORE = -100  # the label of a row that is not a prediction (F.cross_entropy's ignore_index)
 
@@ -52,11 +52,19 @@ def liger_linear_ce_sum(x: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     return out.loss, out.predicted_tokens
 
 
-def resolve_linear_ce(choice: str, device: torch.device | str) -> LinearCE | None:
+def resolve_linear_ce(choice: str, device: torch.device | str, vocab_size: int | None = None) -> LinearCE | None:
     """The ``LinearCE`` of ``--trainer.fused-ce``: ``off`` none (``block_loss``'s chunked float32 path);
     ``liger`` Liger Kernel's (``ValueError`` when not installed or not on CUDA); ``torch`` the reference (tests);
-    ``auto`` Liger's on CUDA when installed, else none. Measured against the chunked path in
-    ``benchmarks/trainer.py`` (docs/performance.md)."""
+    ``auto`` Liger's on CUDA when installed and ``vocab_size`` (the head's rows; None: unknown, taken as large) is
+    at least ``LIGER_AUTO_MIN_VOCAB``, else none.
+
+    Why the vocabulary decides (docs/performance.md, "The head's loss: fused or chunked"; one H100, 2026-12-07): at
+    a Qwen3-8B shape (V 151,936) the fused step is 1.10x the chunked one and 9.4 GiB smaller; at the fixture's
+    (V 8,192) the two are equal alone (0.98x) but, in the recipe's pipeline (two producers and the consumer on one
+    GPU), the chunked loss trains 1.35x the steps per second: Liger synchronises the host once per slot call
+    (``B - 1`` calls per micro-batch, 53 host waits a step against 9), and each wait also waits for the producers'
+    kernels queued on the shared GPU. Between the two measured sizes the threshold is a choice, not a measurement.
+    """
     if choice not in FUSED_CE:
         raise ValueError(f"fused_ce: must be one of {', '.join(FUSED_CE)}, got {choice!r}")
     cuda = torch.device(device).type == "cuda"
@@ -64,7 +72,8 @@ def resolve_linear_ce(choice: str, device: torch.device | str) -> LinearCE | Non
     if choice == "liger" and not (cuda and have):
         raise ValueError("fused_ce: liger needs a CUDA device and Liger Kernel installed (pip install liger-kernel)"
                          + ("" if have else "; it is not installed"))
-    if choice == "liger" or (choice == "auto" and cuda and have):
+    large = vocab_size is None or vocab_size >= LIGER_AUTO_MIN_VOCAB
+    if choice == "liger" or (choice == "auto" and cuda and have and large):
         # imported now, before anything is compiled: the import registers pytree node types (transformers'
         # output classes), and every graph traced before a registration is guarded on the registry's size,
         # so a first import inside the first step recompiled the draft layers at the first real batch

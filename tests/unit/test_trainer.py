@@ -353,6 +353,30 @@ def test_fused_linear_ce_path_trains_exactly_as_the_chunked_loss(few, tmp_path):
     same_update(w_init, weights(a), weights(b))
 
 
+def test_fused_ce_auto_takes_liger_only_for_a_large_vocabulary(monkeypatch):
+    """auto's decision on a CUDA device with Liger importable (a stand-in module: the decision, not the kernel, is
+    under test): the chunked loss below LIGER_AUTO_MIN_VOCAB (the fixture's 8,192), Liger's from it up and when
+    the vocabulary is not known; never on the CPU."""
+    import importlib.util
+    import sys
+    import types
+
+    from specring.shared.config.run_config import LIGER_AUTO_MIN_VOCAB
+    from specring.shared.drafters import linear_ce
+    for name in ("liger_kernel", "liger_kernel.transformers", "liger_kernel.transformers.functional"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "liger_kernel" else real(name, *a))
+    assert linear_ce.resolve_linear_ce("auto", "cuda", 8192) is None
+    assert linear_ce.resolve_linear_ce("auto", "cuda", LIGER_AUTO_MIN_VOCAB - 1) is None
+    assert linear_ce.resolve_linear_ce("auto", "cuda", LIGER_AUTO_MIN_VOCAB) is linear_ce.liger_linear_ce_sum
+    assert linear_ce.resolve_linear_ce("auto", "cuda:0", 151_936) is linear_ce.liger_linear_ce_sum
+    assert linear_ce.resolve_linear_ce("auto", "cuda") is linear_ce.liger_linear_ce_sum
+    assert linear_ce.resolve_linear_ce("liger", "cuda", 8192) is linear_ce.liger_linear_ce_sum  # asked for: taken
+    assert linear_ce.resolve_linear_ce("auto", "cpu", 151_936) is None
+
+
 def test_fused_linear_ce_is_refused_where_liger_cannot_run_and_skipped_where_the_loss_needs_logits(few, tmp_path):
     from specring.shared.drafters.linear_ce import resolve_linear_ce
     with pytest.raises(ValueError, match="liger needs a CUDA device"):
