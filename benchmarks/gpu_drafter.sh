@@ -67,17 +67,20 @@ regen_summary() {  # regen_summary LABEL FILE.arrow: the regeneration's sidecar 
 }
 train_for() {  # train_for NAME SECONDS FLAGS...: one launch.py train into $OUT/run_NAME.txt, SIGINT after SECONDS
   local name=$1 t=$2; shift 2
-  python3 launch.py train "$@" > "$OUT/run_$name.txt" 2>&1 &
-  local pid=$!
-  ( sleep "$t"; pkill -INT -f "launch.py train" ) & local killer=$!
-  wait $pid; kill $killer 2>/dev/null
+  timeout -s INT -k 120 "$t" python3 launch.py train "$@" > "$OUT/run_$name.txt" 2>&1  # SIGINT: a graceful stop
   echo "=== $name done (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
+}
+PIDS=()  # the launch.py train runs started in the background
+stop_after() {  # stop_after SECONDS: SIGINT (a graceful stop) to the background runs after SECONDS, by pid, then wait
+  ( sleep "$1"; kill -INT "${PIDS[@]}" 2>/dev/null ) & local killer=$!
+  wait "${PIDS[@]}" 2>/dev/null; kill $killer 2>/dev/null; PIDS=()
 }
 EVAL=(--eval-prompts 6 --eval-prompt-len 256 --eval-max-new-tokens 256)
 run() {  # run NAME STEPS EXTRA...: one launch.py train on cuda:0 (producer and consumer), in the background
   local name=$1 steps=$2; shift 2
   python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name --max-steps $steps \
     --checkpoint-every 100 "${EVAL[@]}" "${ATTN_CFG[@]}" "$@" > "$OUT/run_$name.txt" 2>&1 &
+  PIDS+=($!)
 }
 if has sweep; then
   echo "=== sweep (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
@@ -85,8 +88,7 @@ if has sweep; then
   run target 300 --label-source target
   [ -f $REGEN ] && run regen 300 --label-source target --data $REGEN --heldout data/demo/heldout.arrow
   [ -f $REGEN ] && run regen_lr 300 --label-source target --data $REGEN --heldout data/demo/heldout.arrow --lr 1.5e-3
-  ( sleep ${SWEEP_S:-200}; pkill -INT -f "launch.py train" ) & KILLER=$!
-  wait $(jobs -p | grep -v $KILLER) 2>/dev/null; kill $KILLER 2>/dev/null
+  stop_after ${SWEEP_S:-200}
   summarize data target regen regen_lr
 fi
 EVAL2=(--heldout data/demo/heldout.arrow --eval-prompts 4 --eval-prompt-len 256 --eval-max-new-tokens 256)
@@ -95,12 +97,11 @@ if has sweep2; then
   S2=${SWEEP2_STEPS:-2000}
   run2() { local name=$1; shift; python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name \
       --max-steps $S2 --checkpoint-every 500 "${EVAL2[@]}" "${ATTN_CFG[@]}" --data $REGEN --label-source target "$@" \
-      > "$OUT/run_$name.txt" 2>&1 & }
+      > "$OUT/run_$name.txt" 2>&1 & PIDS+=($!); }
   run2 regen_base
   run2 regen_deep --target-layers 1,3,5,6,7
   run2 regen_deep_lr --target-layers 1,3,5,6,7 --lr 2e-3
-  ( sleep ${SWEEP2_S:-330}; pkill -INT -f "launch.py train" ) & KILLER=$!
-  wait $(jobs -p | grep -v $KILLER) 2>/dev/null; kill $KILLER 2>/dev/null
+  stop_after ${SWEEP2_S:-330}
   summarize regen_base regen_deep regen_deep_lr
   BEST=$(python3 benchmarks/run_curves.py --best runs/regen_base runs/regen_deep runs/regen_deep_lr)
   echo "best=$BEST" | tee -a "$LOG"
@@ -143,13 +144,12 @@ if has scale; then  # issue 23: data at scale (every 128 tokens a prompt), draft
     --eval-max-new-tokens 256)
   run3() { local name=$1; shift; python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name \
       --data $SREGEN --label-source target --target-layers 1,3,5,6,7 --lr 2e-3 --max-steps ${SCALE_STEPS:-4800} \
-      --checkpoint-every ${SCALE_CKPT:-1200} "${SEVAL[@]}" "$@" > "$OUT/run_$name.txt" 2>&1 & }
+      --checkpoint-every ${SCALE_CKPT:-1200} "${SEVAL[@]}" "$@" > "$OUT/run_$name.txt" 2>&1 & PIDS+=($!); }
   if [ -f $SREGEN ]; then
     run3 scale_5l
     run3 scale_2l --num-draft-layers 2
     run3 scale_2l_noise --num-draft-layers 2 --feature-noise ${SCALE_NOISE:-0.1}
-    ( sleep ${SCALE_S:-780}; pkill -INT -f "launch.py train" ) & KILLER=$!
-    wait $(jobs -p | grep -v $KILLER) 2>/dev/null; kill $KILLER 2>/dev/null
+    stop_after ${SCALE_S:-780}
     summarize scale_5l scale_2l scale_2l_noise
     for r in scale_5l scale_2l scale_2l_noise; do  # one at a time: the speed-ups need the GPU to themselves
       step eval_$r ${SCALE_EVAL_S:-240} python3 launch.py eval --drafter runs/$r --baselines prompt-lookup \
@@ -213,7 +213,7 @@ if has sweep23; then  # issue 23: where a recipe step goes (phases, torch profil
   # the sweep: each run one producer and the consumer on cuda:0, all side by side for the same wall time;
   # SW_RUNS: "NAME|FLAGS;NAME|FLAGS;..."
   run4() { local name=$1; shift; python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name \
-      --max-steps ${SW_STEPS:-6000} --checkpoint-every ${SW_CKPT:-1000} "${RECIPE[@]}" "$@" > "$OUT/run_$name.txt" 2>&1 & }
+      --max-steps ${SW_STEPS:-6000} --checkpoint-every ${SW_CKPT:-1000} "${RECIPE[@]}" "$@" > "$OUT/run_$name.txt" 2>&1 & PIDS+=($!); }
   NAMES=()
   IFS=';' read -ra SPECS <<< "${SW_RUNS:-sw_base|;sw_tokens16k|--max-tokens 16384;sw_dpace|--trainer.loss dpace}"
   for spec in "${SPECS[@]}"; do
@@ -221,8 +221,7 @@ if has sweep23; then  # issue 23: where a recipe step goes (phases, torch profil
     # shellcheck disable=SC2086
     run4 "$name" $flags
   done
-  ( sleep ${SW_S:-420}; pkill -INT -f "launch.py train" ) & KILLER=$!
-  wait $(jobs -p | grep -v $KILLER) 2>/dev/null; kill $KILLER 2>/dev/null
+  stop_after ${SW_S:-420}
   summarize "${NAMES[@]}"
   for r in "${NAMES[@]}"; do
     grep -h "step_phases" runs/$r/logs/consumer-0.log | tail -n 2 >> "$LOG"
