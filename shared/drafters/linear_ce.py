@@ -61,7 +61,7 @@ def resolve_linear_ce(choice: str, device: torch.device | str, vocab_size: int |
     Why the vocabulary decides (docs/performance.md, "The head's loss: fused or chunked"; one H100, 2026-12-07): at
     a Qwen3-8B shape (V 151,936) the fused step is 1.10x the chunked one and 9.4 GiB smaller; at the fixture's
     (V 8,192) the two are equal alone (0.98x) but, in the recipe's pipeline (two producers and the consumer on one
-    GPU), the chunked loss trains 1.35x the steps per second: Liger synchronises the host once per slot call
+    GPU), the chunked loss trains 1.35x the steps per second: Liger makes the host wait about three times per slot call
     (``B - 1`` calls per micro-batch, 53 host waits a step against 9), and each wait also waits for the producers'
     kernels queued on the shared GPU. Between the two measured sizes the threshold is a choice, not a measurement.
     """
