@@ -5,8 +5,8 @@
 # Usage on the GPU machine: OUT=/some/dir bash benchmarks/gpu_drafter.sh [steps...]
 #   A schedule longer than one 10-minute device call: FINAL_STEPS=9600 FINAL_S=420 ... regen final, then on the still
 #   warm machine FINAL_S=540 ... final_resume (repeat while steps remain), then ... final_eval.
-#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 scale ce_bench recipe20 sweep23
-#   eval_attention
+#   steps: bench regen baselines sweep sweep2 final final_resume final_eval eagle3 scale ce_bench ce_pipeline recipe20
+#   sweep23 eval_attention
 #   peers (default: bench regen baselines
 #   sweep). peers: benchmarks/peers.py (Model-Optimizer's and speculators' DFlash trainers, PEERS_MIN minutes each, the
 #   wheels of .whl/ installed into /tmp/site: the device call carries .whl); PEERS=modelopt / PEERS=speculators in two
@@ -162,13 +162,15 @@ if has ce_bench; then  # issue 23/25: the head's loss at the fixture's vocabular
   step ce_bench ${CE_BENCH_S:-240} python3 benchmarks/trainer.py --device cuda:0 --shape tiny --seqs 16 --seq-len 512 \
     --num-anchors 512 --steps 30 --warmup 5 --check --sync-debug --attention flex+compile flex+compile+fused
   grep -E "^form=|sync|positions_per_s_vs" "$OUT/ce_bench.txt" >> "$LOG"
-  # recipe20 takes the faster loss; its schedule grows by the measured ratio (the budget stops it either way)
-  CE_RATIO=$(grep -oP 'positions_per_s_vs_flex\+compile\+fused=\K[0-9.]+' "$OUT/ce_bench.txt")
-  if [ -n "$CE_RATIO" ] && python3 -c "import sys; sys.exit(0 if float('$CE_RATIO') > 1.02 else 1)"; then
-    R20_ARGS="${R20_ARGS:-} --trainer.fused-ce off"
-    R20_STEPS=${R20_STEPS:-$(python3 -c "print(int(12000 * min(1.6, 0.95 * float('$CE_RATIO')) // 100 * 100))")}
-  fi
-  echo "ce_bench ratio=${CE_RATIO:-none} recipe20 args=${R20_ARGS:-} steps=${R20_STEPS:-12000}" | tee -a "$LOG"
+  # measures only: a step alone does not show the pipeline's difference (docs/performance.md, "The head's loss"),
+  # and fused_ce auto already picks the loss by the vocabulary
+fi
+if has ce_pipeline; then  # the same two losses in the recipe's pipeline (two producers and the consumer on cuda:0)
+  for f in off liger; do
+    train_for ce_$f ${CE_PIPE_S:-150} --producers cuda:0,cuda:0 --consumers cuda:0 --run-dir runs/ce_$f --max-steps 4000 \
+      --checkpoint-every 100000 --trainer.fused-ce $f --label-source target
+    grep -h "step_phases" runs/ce_$f/logs/consumer-0.log >> "$LOG"; grep "progress step" "$OUT/run_ce_$f.txt" | tail -n 1 >> "$LOG"
+  done
 fi
 if has recipe20; then  # issue 23: the whole recipe inside 20 GPU-minutes (regenerate + train), then the standard eval
   echo "=== recipe20 (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
