@@ -222,7 +222,7 @@ class Trainer:
         self.objective_ctx = ObjectiveContext(
             model=self.model, tcfg=cfg, dcfg=dcfg, device=self.device, attention=self.attention,
             max_mask_elems=self.max_mask_elems, loss_chunk_rows=self.loss_chunk_rows, autocast=self.autocast,
-            seed=cfg.seed, linear_ce=resolve_linear_ce(cfg.fused_ce, self.device, getattr(dcfg, "vocab_size", None)))
+            seed=cfg.seed, linear_ce=resolve_linear_ce(cfg.fused_ce, self.device, dcfg.vocab_size))
 
         self._background: threading.Thread | None = None  # the compile beside training (start_background_warm_up)
         self._background_batch: SlotBatch | None = None
