@@ -71,6 +71,11 @@ train_for() {  # train_for NAME SECONDS FLAGS...: one launch.py train into $OUT/
   echo "=== $name done (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
 }
 PIDS=()  # the launch.py train runs started in the background
+bg_train() {  # bg_train NAME FLAGS...: one launch.py train on cuda:0 (producer and consumer) into runs/NAME, in the background
+  local name=$1; shift
+  python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name "$@" > "$OUT/run_$name.txt" 2>&1 &
+  PIDS+=($!)
+}
 stop_after() {  # stop_after SECONDS: SIGINT (a graceful stop) to the background runs after SECONDS, by pid, then wait
   ( sleep "$1"; kill -INT "${PIDS[@]}" 2>/dev/null ) & local killer=$!
   wait "${PIDS[@]}" 2>/dev/null; kill $killer 2>/dev/null; PIDS=()
@@ -78,9 +83,7 @@ stop_after() {  # stop_after SECONDS: SIGINT (a graceful stop) to the background
 EVAL=(--eval-prompts 6 --eval-prompt-len 256 --eval-max-new-tokens 256)
 run() {  # run NAME STEPS EXTRA...: one launch.py train on cuda:0 (producer and consumer), in the background
   local name=$1 steps=$2; shift 2
-  python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name --max-steps $steps \
-    --checkpoint-every 100 "${EVAL[@]}" "${ATTN_CFG[@]}" "$@" > "$OUT/run_$name.txt" 2>&1 &
-  PIDS+=($!)
+  bg_train $name --max-steps $steps --checkpoint-every 100 "${EVAL[@]}" "${ATTN_CFG[@]}" "$@"
 }
 if has sweep; then
   echo "=== sweep (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
@@ -95,9 +98,8 @@ EVAL2=(--heldout data/demo/heldout.arrow --eval-prompts 4 --eval-prompt-len 256 
 if has sweep2; then
   echo "=== sweep2 (t=$(( $(date +%s) - T0 ))s)" | tee -a "$LOG"
   S2=${SWEEP2_STEPS:-2000}
-  run2() { local name=$1; shift; python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name \
-      --max-steps $S2 --checkpoint-every 500 "${EVAL2[@]}" "${ATTN_CFG[@]}" --data $REGEN --label-source target "$@" \
-      > "$OUT/run_$name.txt" 2>&1 & PIDS+=($!); }
+  run2() { local name=$1; shift; bg_train $name --max-steps $S2 --checkpoint-every 500 "${EVAL2[@]}" "${ATTN_CFG[@]}" \
+      --data $REGEN --label-source target "$@"; }
   run2 regen_base
   run2 regen_deep --target-layers 1,3,5,6,7
   run2 regen_deep_lr --target-layers 1,3,5,6,7 --lr 2e-3
@@ -142,9 +144,8 @@ if has scale; then  # issue 23: data at scale (every 128 tokens a prompt), draft
   regen_summary regen_scale $SREGEN
   SEVAL=(--heldout data/demo/heldout.arrow --eval-prompts ${SCALE_EVAL_PROMPTS:-8} --eval-prompt-len 256 \
     --eval-max-new-tokens 256)
-  run3() { local name=$1; shift; python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name \
-      --data $SREGEN --label-source target --target-layers 1,3,5,6,7 --lr 2e-3 --max-steps ${SCALE_STEPS:-4800} \
-      --checkpoint-every ${SCALE_CKPT:-1200} "${SEVAL[@]}" "$@" > "$OUT/run_$name.txt" 2>&1 & PIDS+=($!); }
+  run3() { local name=$1; shift; bg_train $name --data $SREGEN --label-source target --target-layers 1,3,5,6,7 \
+      --lr 2e-3 --max-steps ${SCALE_STEPS:-4800} --checkpoint-every ${SCALE_CKPT:-1200} "${SEVAL[@]}" "$@"; }
   if [ -f $SREGEN ]; then
     run3 scale_5l
     run3 scale_2l --num-draft-layers 2
@@ -214,8 +215,8 @@ if has sweep23; then  # issue 23: where a recipe step goes (phases, torch profil
   fi
   # the sweep: each run one producer and the consumer on cuda:0, all side by side for the same wall time;
   # SW_RUNS: "NAME|FLAGS;NAME|FLAGS;..."
-  run4() { local name=$1; shift; python3 launch.py train --producers cuda:0 --consumers cuda:0 --run-dir runs/$name \
-      --max-steps ${SW_STEPS:-6000} --checkpoint-every ${SW_CKPT:-1000} "${RECIPE[@]}" "$@" > "$OUT/run_$name.txt" 2>&1 & PIDS+=($!); }
+  run4() { local name=$1; shift; bg_train $name --max-steps ${SW_STEPS:-6000} --checkpoint-every ${SW_CKPT:-1000} \
+      "${RECIPE[@]}" "$@"; }
   NAMES=()
   IFS=';' read -ra SPECS <<< "${SW_RUNS:-sw_base|;sw_tokens16k|--max-tokens 16384;sw_dpace|--trainer.loss dpace}"
   for spec in "${SPECS[@]}"; do
