@@ -13,7 +13,7 @@ other module asks it instead of joining names. Nothing here imports torch: ``sta
 | ``draft_vocab.safetensors`` | the launcher, before an EAGLE-3 run | safetensors | ``shared.drafters.draft_vocab`` |
 | ``config.json`` | the supervisor, at start | JSON, indent 1 | ``RunConfig`` |
 | ``topology.json`` | the supervisor, at start (atomic) | JSON, indent 1 | ``Topology`` |
-| ``coord.sock`` | the supervisor binds it at start, removes it at exit | ipc socket | the coordinator's ROUTER |
+| ``coord.sock`` | the supervisor binds it at start, removes it at exit (¹) | ipc socket | the coordinator's ROUTER |
 | ``status.json`` | the supervisor, about once a second (atomic) | JSON | ``StatusFile`` of ``StatusRow`` |
 | ``timeseries.jsonl`` | the supervisor: samples, lifecycle events | JSON lines | ``supervisor.timeseries`` |
 | ``summary.json`` | the supervisor, at the end of each session (atomic) | JSON, indent 1 | ``Summary`` |
@@ -24,6 +24,9 @@ other module asks it instead of joining names. Nothing here imports torch: ``sta
 | ``tau/`` | consumer rank 0: weights of a τ evaluation between checkpoints (deleted once read) | safetensors | - |
 | ``report/`` | ``train`` at the end of a run, ``launch.py report`` | HTML, PNG | ``supervisor.report`` |
 | ``tensorboard/``, ``wandb/``, ``mlruns/`` | the trackers (``--report-to``) | theirs | ``supervisor.reporting`` |
+
+¹ In a run directory whose path is too long for an ipc socket, the socket goes to this user's private directory
+(``socket_file``).
 
 ``runs/latest`` (beside the run directories, ``latest_link``) points at the newest run that passed its start-up
 checks (``point_latest``).
@@ -36,10 +39,13 @@ when the launcher dies (``kill -9`` included). ``status`` and ``clean`` ask the 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 import secrets
 import shutil
+import stat
+import tempfile
 import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -86,6 +92,31 @@ RECORD_DIRS = (CHECKPOINTS_DIR, LOGS_DIR, "tensorboard", "wandb", "mlruns")
 # the records of a start that saved no checkpoint: void once its weights are gone (``forget_void_records``)
 VOID_RECORDS = (METRICS_FILE, EVAL_FILE, SUMMARY_FILE)
 CLAIM_RETRY_S = 1.0  # how long claim() retries a lock that a momentary held() probe elsewhere may hold
+
+
+
+IPC_PATH_MAX = 100  # characters of an ipc socket's absolute path (Linux's sun_path: 108 bytes, NUL included)
+
+
+def private_socket_dir() -> Path:
+    """``<tempdir>/specring-<uid>``: where the ipc socket of a run directory too deep for one goes
+    (``RunDir.socket_file``)."""
+    return Path(tempfile.gettempdir()) / f"specring-{os.getuid()}"
+
+
+def make_private_socket_dir() -> Path:
+    """Make ``private_socket_dir()`` (mode 0700) if missing and return it. Raises ``ValueError`` naming it when it
+    is a link, not a directory, not this user's, or open to others: a socket there could be taken over."""
+    d = private_socket_dir()
+    try:
+        d.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(d)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise ValueError(f"{d} (for the ipc sockets of run directories whose paths are too long) must be a "
+                         f"directory of this user with mode 0700; remove it, or use a shorter --run-dir or --tcp")
+    return d
 
 
 class RunDir:
@@ -140,7 +171,16 @@ class RunDir:
 
     @property
     def socket_file(self) -> Path:
-        return self.path / SOCKET_FILE
+        """The coordinator's ipc socket: ``RUN_DIR/coord.sock``; when that absolute path is longer than an ipc
+        socket's may be (``IPC_PATH_MAX`` characters: Linux's ``sun_path`` is 108 bytes), the same socket in this
+        user's private directory instead, ``<tempdir>/specring-<uid>/<hash of the run directory>.sock``: the same
+        path for the same run directory, so a restart, ``status`` and ``clean`` find it. Computed only;
+        ``coordinator_address`` makes the private directory."""
+        here = Path(os.path.abspath(self.path / SOCKET_FILE))
+        if len(str(here)) <= IPC_PATH_MAX:
+            return here
+        digest = hashlib.sha256(str(here.parent).encode()).hexdigest()[:20]
+        return private_socket_dir() / f"{digest}.sock"
 
     @property
     def status_file(self) -> Path:
@@ -215,9 +255,13 @@ class RunDir:
         return out
 
     def coordinator_address(self, tcp: str = "") -> str:
-        """The coordinator's endpoint: ``tcp`` when given, else ``ipc://`` of ``coord.sock`` (absolute). Raises
-        ``ValueError`` when that path is too long for an ipc socket (``shared.transport.channel``)."""
+        """The coordinator's endpoint: ``tcp`` when given, else ``ipc://`` of ``socket_file`` (absolute), making
+        the private directory that a long run directory's socket goes to. Raises ``ValueError`` when even that path
+        is too long for an ipc socket (a very long ``TMPDIR``; ``shared.transport.channel``) or when the private
+        directory is not this user's alone."""
         from specring.shared.transport.channel import coordinator_address
+        if not tcp and self.socket_file.parent != Path(os.path.abspath(self.path)):
+            make_private_socket_dir()
         return coordinator_address(self.socket_file, tcp)
 
     # ------------------------------------------------------------------ runs/ and runs/latest

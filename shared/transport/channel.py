@@ -11,7 +11,8 @@ send to a peer whose queue is full (it does not read) raises ``zmq.Again`` at on
 the coordinator's loop or its signal handling; the caller decides what a failed send means (the coordinator
 records a lease or delivery only once its send has succeeded).
 
-Addresses: ``ipc://<run_dir>/coord.sock`` by default (the run directory is mode 0700), or
+Addresses: ``ipc://<run_dir>/coord.sock`` by default (the run directory is mode 0700; for a run directory too deep
+for an ipc socket's path, a socket in the user's private 0700 directory, ``RunDir.socket_file``), or
 ``tcp://127.0.0.1:<port>`` when asked for.
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 import zmq
 
 from specring.shared.errors import MessageError, PeerTimeout
+from specring.shared.run.run_dir import IPC_PATH_MAX
 from specring.shared.transport import messages
 
 log = logging.getLogger(__name__)
@@ -41,9 +43,9 @@ def coordinator_address(socket_file: str | os.PathLike, tcp: str = "") -> str:
     if tcp:
         return tcp
     path = os.path.abspath(socket_file)
-    if len(path) > 100:  # sun_path is 108 bytes on Linux
-        raise ValueError(f"run directory path is too long for an ipc socket ({len(path)} chars): {path}; "
-                         f"use a shorter --run-dir or --tcp")
+    if len(path) > IPC_PATH_MAX:
+        raise ValueError(f"the coordinator's socket path is too long for an ipc socket ({len(path)} chars, at most "
+                         f"{IPC_PATH_MAX}): {path}; use a shorter TMPDIR or --run-dir, or --tcp")
     return "ipc://" + path
 
 

@@ -116,6 +116,28 @@ def test_full_run_trains_every_batch_once_and_cleans_up(dataset, tmp_path):
     assert (run_dir / "checkpoints" / "latest").is_file()
 
 
+def test_run_directory_too_deep_for_an_ipc_socket_trains_and_cleans_up(dataset, tmp_path):
+    run_dir = tmp_path / ("d" * 70) / "run"  # RUN_DIR/coord.sock is longer than an ipc socket's path may be
+    tmpdir = tmp_path / "t"
+    tmpdir.mkdir()
+    proc = start_launcher(small_flags(dataset, run_dir, 8), env={"TMPDIR": str(tmpdir)},
+                          log_path=tmp_path / "launcher.log")
+    try:
+        wait_for(lambda: (run_dir / "topology.json").is_file(), 120, "topology.json")
+        address = json.loads((run_dir / "topology.json").read_text())["address"]
+        sock = Path(address.removeprefix("ipc://"))
+        assert sock.parent == tmpdir / f"specring-{os.getuid()}" and sock.exists(), address
+        assert (sock.parent.stat().st_mode & 0o777) == 0o700
+        code = _finish(proc, 240)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc)
+    assert code == 0, (tmp_path / "launcher.log").read_text()[-3000:]
+    s = _assert_exactly_once(run_dir, expect_planned=8)
+    assert s["exit_reason"] == "done" and segments_of(s["run_id"]) == []
+    assert not sock.exists() and not (run_dir / "coord.sock").exists()
+
+
 def test_chaos_producers_killed_and_hung(dataset, tmp_path):
     """SIGKILL producers >= 5 times (some mid-write) and SIGSTOP one past the hang timeout."""
     seed = int(os.environ.get("SPECRING_CHAOS_SEED", random.randrange(1 << 30)))

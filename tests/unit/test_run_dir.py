@@ -14,7 +14,7 @@ import pytest
 
 from specring.shared.config.run_config import RunConfig
 from specring.shared.errors import ConfigError
-from specring.shared.run.run_dir import RECORD_DIRS, RECORD_FILES, RunDir
+from specring.shared.run.run_dir import IPC_PATH_MAX, RECORD_DIRS, RECORD_FILES, RunDir, private_socket_dir
 from specring.shared.run.run_records import (
     EvalRecord,
     MetricsRecord,
@@ -295,3 +295,32 @@ def test_the_data_record_is_written_as_before(tmp_path):
     run = RunDir(tmp_path)
     run.write_data_record(record)
     assert run.data_file.read_text() == json.dumps(record, indent=1) + "\n" and run.read_data_record() == record
+
+
+def test_a_run_directory_too_deep_for_an_ipc_socket_gets_one_in_the_private_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "t"))
+    (tmp_path / "t").mkdir()
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    short = RunDir(tmp_path / "r")
+    assert short.socket_file == tmp_path / "r" / "coord.sock"
+    run, other = RunDir(deep), RunDir(deep.parent / "f")
+    sock = run.socket_file
+    assert len(str(deep / "coord.sock")) > IPC_PATH_MAX >= len(str(sock))
+    assert sock.parent == private_socket_dir() == tmp_path / "t" / f"specring-{os.getuid()}"
+    assert sock == RunDir(str(deep)).socket_file != other.socket_file  # one path per run directory
+    assert not sock.parent.exists()  # socket_file computes only
+    assert run.coordinator_address() == f"ipc://{sock}"
+    assert sock.parent.is_dir() and (sock.parent.stat().st_mode & 0o777) == 0o700
+    sock.write_text("")  # a socket left by a launcher that no longer holds the directory
+    assert run.stale_sockets() == [sock]
+    os.chmod(sock.parent, 0o755)  # open to others: refused, naming the directory
+    with pytest.raises(ValueError, match=f"specring-{os.getuid()}.*mode 0700"):
+        run.coordinator_address()
+    assert run.coordinator_address("tcp://127.0.0.1:5") == "tcp://127.0.0.1:5"
+    monkeypatch.setenv("TMPDIR", str(tmp_path / ("t" * 90)))  # even the private directory is too deep
+    (tmp_path / ("t" * 90)).mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with pytest.raises(ValueError, match="too long for an ipc socket.*TMPDIR"):
+        run.coordinator_address()
