@@ -15,6 +15,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1]   # the checkout, or site-pac
 IMPORT_ROOT = Path(__file__).resolve().parents[2] if (PACKAGE_ROOT / "__init__.py").is_file() else PACKAGE_ROOT
 DEFAULT_TARGET = PACKAGE_ROOT / "assets" / "tiny-code-lm"
 BENCHMARKS_DIR = PACKAGE_ROOT / "benchmarks"
+IPC_PATH_MAX = 100  # characters of an ipc socket's absolute path (Linux's sun_path: 108 bytes, NUL included)
 
 
 def runs_dir() -> Path:

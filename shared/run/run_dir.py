@@ -95,9 +95,6 @@ CLAIM_RETRY_S = 1.0  # how long claim() retries a lock that a momentary held() p
 
 
 
-IPC_PATH_MAX = 100  # characters of an ipc socket's absolute path (Linux's sun_path: 108 bytes, NUL included)
-
-
 def private_socket_dir() -> Path:
     """``<tempdir>/specring-<uid>``: where the ipc socket of a run directory too deep for one goes
     (``RunDir.socket_file``)."""
@@ -172,12 +169,12 @@ class RunDir:
     @property
     def socket_file(self) -> Path:
         """The coordinator's ipc socket: ``RUN_DIR/coord.sock``; when that absolute path is longer than an ipc
-        socket's may be (``IPC_PATH_MAX`` characters: Linux's ``sun_path`` is 108 bytes), the same socket in this
+        socket's may be (``paths.IPC_PATH_MAX`` characters: Linux's ``sun_path`` is 108 bytes), the same socket in this
         user's private directory instead, ``<tempdir>/specring-<uid>/<hash of the run directory>.sock``: the same
         path for the same run directory, so a restart, ``status`` and ``clean`` find it. Computed only;
         ``coordinator_address`` makes the private directory."""
         here = Path(os.path.abspath(self.path / SOCKET_FILE))
-        if len(str(here)) <= IPC_PATH_MAX:
+        if len(str(here)) <= paths.IPC_PATH_MAX:
             return here
         digest = hashlib.sha256(str(here.parent).encode()).hexdigest()[:20]
         return private_socket_dir() / f"{digest}.sock"

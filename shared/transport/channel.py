@@ -26,7 +26,7 @@ from typing import Any
 import zmq
 
 from specring.shared.errors import MessageError, PeerTimeout
-from specring.shared.run.run_dir import IPC_PATH_MAX
+from specring.shared.paths import IPC_PATH_MAX
 from specring.shared.transport import messages
 
 log = logging.getLogger(__name__)

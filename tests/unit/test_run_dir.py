@@ -14,7 +14,8 @@ import pytest
 
 from specring.shared.config.run_config import RunConfig
 from specring.shared.errors import ConfigError
-from specring.shared.run.run_dir import IPC_PATH_MAX, RECORD_DIRS, RECORD_FILES, RunDir, private_socket_dir
+from specring.shared.paths import IPC_PATH_MAX
+from specring.shared.run.run_dir import RECORD_DIRS, RECORD_FILES, RunDir, private_socket_dir
 from specring.shared.run.run_records import (
     EvalRecord,
     MetricsRecord,
