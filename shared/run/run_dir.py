@@ -94,7 +94,6 @@ VOID_RECORDS = (METRICS_FILE, EVAL_FILE, SUMMARY_FILE)
 CLAIM_RETRY_S = 1.0  # how long claim() retries a lock that a momentary held() probe elsewhere may hold
 
 
-
 def private_socket_dir() -> Path:
     """``<tempdir>/specring-<uid>``: where the ipc socket of a run directory too deep for one goes
     (``RunDir.socket_file``)."""
