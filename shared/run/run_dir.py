@@ -256,9 +256,10 @@ class RunDir:
         is too long for an ipc socket (a very long ``TMPDIR``; ``shared.transport.channel``) or when the private
         directory is not this user's alone."""
         from specring.shared.transport.channel import coordinator_address
-        if not tcp and self.socket_file.parent != Path(os.path.abspath(self.path)):
+        sock = self.socket_file
+        if not tcp and sock.parent == private_socket_dir():
             make_private_socket_dir()
-        return coordinator_address(self.socket_file, tcp)
+        return coordinator_address(sock, tcp)
 
     # ------------------------------------------------------------------ runs/ and runs/latest
     @staticmethod

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -301,7 +302,6 @@ def test_the_data_record_is_written_as_before(tmp_path):
 def test_a_run_directory_too_deep_for_an_ipc_socket_gets_one_in_the_private_directory(tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", str(tmp_path / "t"))
     (tmp_path / "t").mkdir()
-    import tempfile
     monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
     deep = tmp_path / ("d" * 60) / ("e" * 60)
     short = RunDir(tmp_path / "r")
