@@ -18,6 +18,7 @@ export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 
 export TOKENIZERS_PARALLELISM=false
 LOG="$OUT/gpu_drafter.log"
 T0=$(date +%s)
+source "$(dirname "$0")/checkpoint_pack.sh"
 { nvidia-smi -L; python3 -c 'import torch, transformers, zmq; print("torch", torch.__version__, "transformers", transformers.__version__, "zmq", zmq.__version__, "gpus", torch.cuda.device_count())'; } 2>&1 | tee -a "$LOG"
 step() {  # step NAME TIMEOUT_S CMD...
   local name=$1 t=$2; shift 2
@@ -190,9 +191,7 @@ if has recipe20; then  # issue 23: the whole recipe inside 20 GPU-minutes (regen
   step recipe20_eval ${R20_EVAL_S:-300} python3 launch.py eval --drafter runs/recipe20 --baselines prompt-lookup \
     --output-json "$OUT/recipe20_eval.json"
   # the drafter itself comes back (a CPU eval of it later needs no device time)
-  LAST=$(ls -d runs/recipe20/checkpoints/step-* 2>/dev/null | tail -n 1)
-  [ -n "$LAST" ] && tar czf "$OUT/recipe20_ckpt.tgz" --ignore-failed-read -C runs/recipe20 "checkpoints/$(basename "$LAST")" \
-    $(cd runs/recipe20 && ls *.json *.toml 2>/dev/null)
+  pack_newest_checkpoint runs/recipe20 "$OUT/recipe20_ckpt.tgz." | tee -a "$LOG"
   # one prompt at a time (z-lab's benchmark decodes batch 1): every row's speed-up without the batch's slowest row
   [ "${R20_BS1_S:-200}" != 0 ] && step recipe20_eval_bs1 ${R20_BS1_S:-200} python3 launch.py eval --drafter runs/recipe20 \
     --baselines prompt-lookup --batch-size 1 --output-json "$OUT/recipe20_eval_bs1.json"

@@ -7,7 +7,9 @@
 # machine lost before the next poll loses only what came after this one; prints the log's tail.
 # The newest checkpoint of runs/$POLL_RUN (default recipe20: its weights and config, not trainer_state.pt) comes
 # back too, as $OUT/ckpt.tgz.00, .01, ... (15 MiB parts: the device returns files of at most 16 MiB), so a lost
-# machine still leaves a drafter to evaluate. Restore: cat ckpt.tgz.* | tar xzf - -C runs/recipe20
+# machine still leaves a drafter to evaluate (benchmarks/checkpoint_pack.sh). Restore:
+#   mkdir -p runs/recipe20 && cat ckpt.tgz.* | tar xzf - -C runs/recipe20
+source "$(dirname "$0")/checkpoint_pack.sh"
 W=${1:-560}; JOB_OUT=${2:-/tmp/gout}; PROJ=${3:-/tmp/proj}
 s=$(date +%s)
 while [ $(( $(date +%s) - s )) -lt "$W" ]; do
@@ -16,12 +18,6 @@ while [ $(( $(date +%s) - s )) -lt "$W" ]; do
 done
 ( cd "$PROJ" 2>/dev/null && tar czf "$OUT/poll.tgz" \
     $(ls -d runs/*/metrics.jsonl runs/*/eval.jsonl runs/*/summary.json runs/*/logs 2>/dev/null) -C / "${JOB_OUT#/}" )
-RUN="$PROJ/runs/${POLL_RUN:-recipe20}"
-LAST=$(ls -d "$RUN"/checkpoints/step-* 2>/dev/null | tail -n 1)
-if [ -n "$LAST" ]; then
-  tar czf - -C "$RUN" --exclude trainer_state.pt "checkpoints/$(basename "$LAST")" $(cd "$RUN" && ls *.json *.toml 2>/dev/null) \
-    | split -b 15M -d - "$OUT/ckpt.tgz."
-  echo "checkpoint $(basename "$LAST") of $RUN in $(ls "$OUT"/ckpt.tgz.* | wc -l) part(s)"
-fi
+pack_newest_checkpoint "$PROJ/runs/${POLL_RUN:-recipe20}" "$OUT/ckpt.tgz."
 tail -n 15 "$JOB_OUT/gpu_drafter.log" 2>/dev/null
 for f in "$PROJ"/runs/*/eval.jsonl; do [ -f "$f" ] && { echo "--- $f"; tail -n 3 "$f"; }; done
